@@ -1,0 +1,25 @@
+"""zmqtransport: a ZeroMQ peer-to-peer checkpoint transport for torchft.
+
+``ZMQTransport`` implements torchft's ``CheckpointTransport`` contract: each rank
+binds one ROUTER socket (advertised by ``metadata()``), receivers connect with a
+DEALER and pull a step as a msgpack header followed by raw, zero-copy tensor
+frames under credit-based flow control. See docs/protocol.md.
+"""
+
+from .contract import CheckpointTransport
+from .errors import IntegrityError, ProtocolError, RemoteError, TransportError
+from .receiver import TransferStats
+from .transport import ZMQTransport
+from .wire import PROTOCOL_VERSION
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "CheckpointTransport",
+    "IntegrityError",
+    "ProtocolError",
+    "RemoteError",
+    "TransferStats",
+    "TransportError",
+    "ZMQTransport",
+]
+__version__ = "0.1.0"

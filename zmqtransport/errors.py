@@ -1,0 +1,35 @@
+"""Exception types raised by zmqtransport.
+
+Timeouts are reported with the builtin :class:`TimeoutError`, so callers that
+already handle torchft's transport timeouts need nothing new.
+"""
+
+from __future__ import annotations
+
+
+class TransportError(RuntimeError):
+    """Base class for every error this package raises on purpose (except timeouts)."""
+
+
+class ProtocolError(TransportError, ValueError):
+    """A message did not follow docs/protocol.md: malformed, inconsistent or oversized.
+
+    Raised by the decoders in :mod:`zmqtransport.wire` and :mod:`zmqtransport.tree`
+    for anything a peer sent that cannot be trusted; never leaves partial state.
+    """
+
+
+class RemoteError(TransportError):
+    """The peer answered a request with an error reply (wrong step, disallowed, ...).
+
+    ``code`` is the machine-readable code from the reply (see docs/protocol.md).
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+
+
+class IntegrityError(TransportError):
+    """A received frame did not match the checksum the sender computed for it."""

@@ -1,0 +1,401 @@
+"""The receiving side: fetch one step from a peer over a DEALER socket.
+
+Threading: :func:`fetch` runs entirely in the calling thread and owns the DEALER
+it creates; the socket is closed before it returns or raises. Several threads
+may fetch at once (each has its own socket).
+
+Order of work: request, header, validation and allocation (so a hostile or
+buggy peer is refused before any large allocation), then data messages copied
+straight into their destination storage while credit is returned in batches,
+then the end marker. Only then is the object built: nothing partial is ever
+returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from . import buffers, tree, wire
+from .errors import IntegrityError, ProtocolError, RemoteError
+from .net import PeerAddress
+
+logger = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass
+class TransferStats:
+    """What the last transfer moved; read it from :attr:`ZMQTransport.last_recv_stats`."""
+
+    peer: str
+    step: int
+    bytes: int = 0
+    in_place_bytes: int = 0
+    tensors: int = 0
+    messages: int = 0
+    seconds: float = 0.0
+    header_seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class FetchOptions:
+    allow_pickle: bool = False
+    window: int = 16
+    max_bytes: int | None = None  # refuse headers claiming more fresh memory than this
+    progress: ProgressCallback | None = None
+    configure: Callable[[zmq.Socket[Any]], None] | None = None  # security options
+
+
+@dataclass
+class _Destination:
+    """Where one storage's bytes land: target memory (in place) or a fresh buffer."""
+
+    view: memoryview
+    fresh: torch.Tensor | None  # the uint8 storage tensor when freshly allocated
+    in_place: Any = None  # the caller's tensor (or DTensor) receiving the bytes
+
+
+@dataclass
+class _Header:
+    header: wire.Header
+    specs: list[tree.TensorSpec]
+    paths: dict[int, tree.KeyPath]
+    dtensor_tensors: set[int] = field(default_factory=set)
+
+
+def default_max_bytes() -> int:
+    """Physical memory: a header claiming more than this cannot be honest."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 2**40
+
+
+class _Receiver:
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        address: PeerAddress,
+        src_rank: int,
+        step: int,
+        timeout: float,
+        options: FetchOptions,
+    ) -> None:
+        self.address = address
+        self.src_rank = src_rank
+        self.step = step
+        self.timeout = timeout
+        self.options = options
+        self.deadline = time.monotonic() + timeout
+        self.xfer = random.getrandbits(63)
+        self.stats = TransferStats(peer=address.endpoint, step=step)
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.IPV6, 1)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+        if options.configure is not None:
+            options.configure(self.socket)
+
+    # ----------------------------------------------------------------- socket helpers
+
+    def _timed_out(self, waiting_for: str) -> TimeoutError:
+        return TimeoutError(
+            f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for {waiting_for} "
+            f"from rank {self.src_rank} at {self.address.endpoint} (step {self.step})"
+        )
+
+    def _wait(self, waiting_for: str) -> None:
+        while not self.socket.poll(max(0, int((self.deadline - time.monotonic()) * 1000)) or 0):
+            if time.monotonic() >= self.deadline:
+                raise self._timed_out(waiting_for)
+
+    def _recv_envelope(self, waiting_for: str) -> dict[str, Any]:
+        """Receive the first frame of the next message and check it is a valid reply."""
+        try:
+            frame = self.socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            self._wait(waiting_for)
+            frame = self.socket.recv(zmq.NOBLOCK)
+        message = wire.unpack(frame, wire.MAX_REQUEST_BYTES)
+        wire.check_version(message, f"the sender at {self.address.endpoint}")
+        op = message.get("op")
+        if message.get("id") != self.xfer and op != wire.OP_ERROR:
+            raise ProtocolError(f"reply for another transfer: {message.get('id')!r}")
+        if op == wire.OP_ERROR:
+            self._drain_rest()
+            code = str(message.get("code", "unknown"))
+            text = str(message.get("msg", ""))
+            raise RemoteError(code, f"rank {self.src_rank} at {self.address.endpoint}: {text}")
+        if op not in wire.REPLY_OPS:
+            raise ProtocolError(f"unknown reply op {op!r}")
+        return message
+
+    def _more(self) -> bool:
+        return bool(self.socket.getsockopt(zmq.RCVMORE))
+
+    def _drain_rest(self) -> None:
+        while self._more():
+            self.socket.recv()
+
+    def _expect_no_more(self, what: str) -> None:
+        if self._more():
+            self._drain_rest()
+            raise ProtocolError(f"{what} carries unexpected extra frames")
+
+    # ----------------------------------------------------------------- phases
+
+    def request(self, header_only: bool = False) -> None:
+        self.socket.connect(self.address.endpoint)
+        wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
+        request = wire.fetch_request(
+            self.xfer, self.step, wait_ms, self.options.window, self.options.allow_pickle, header_only
+        )
+        self.socket.send(request)
+
+    def receive_header(self) -> _Header:
+        message = self._recv_envelope("the checkpoint header")
+        if message["op"] != wire.OP_HEADER or not self._more():
+            raise ProtocolError(f"expected a header, got {message['op']!r}")
+        body = self.socket.recv()
+        self._expect_no_more("the header")
+        header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
+        if header.step != self.step:
+            raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
+        specs = tree.decode_tensor_table(header.tensors, header.storages)
+        paths = tree.index_skeleton(header.skeleton, len(specs), self.options.allow_pickle)
+        return _Header(header, specs, paths)
+
+    def destinations(self, parsed: _Header, targets: Any) -> list[_Destination]:
+        """Decide where each storage lands, refusing absurd sizes before allocating."""
+        header, specs = parsed.header, parsed.specs
+        users: dict[int, list[int]] = {}
+        for index, spec in enumerate(specs):
+            users.setdefault(spec.storage, []).append(index)
+        leaves = dict(tree.iter_tensor_leaves(targets)) if targets is not None else {}
+        chosen: dict[int, Any] = {}
+        for storage, nbytes in enumerate(header.storages):
+            tensor_indices = users.get(storage, [])
+            if len(tensor_indices) != 1:
+                continue
+            index = tensor_indices[0]
+            spec = specs[index]
+            target = leaves.get(parsed.paths[index])
+            local = _local_tensor(target)
+            if local is not None and _fits(local, spec, nbytes):
+                chosen[storage] = target
+        fresh_bytes = sum(n for i, n in enumerate(header.storages) if i not in chosen)
+        limit = self.options.max_bytes if self.options.max_bytes is not None else default_max_bytes()
+        if fresh_bytes > limit:
+            raise ProtocolError(
+                f"the peer announced {fresh_bytes} bytes of tensors, more than the limit of {limit}"
+            )
+        result: list[_Destination] = []
+        for storage, nbytes in enumerate(header.storages):
+            target = chosen.get(storage)
+            if target is not None:
+                local = _local_tensor(target)
+                assert local is not None
+                result.append(_Destination(buffers.tensor_view(local), None, target))
+            else:
+                fresh = buffers.allocate(nbytes)
+                result.append(_Destination(buffers.tensor_view(fresh), fresh))
+        return result
+
+    def receive_data(self, header: wire.Header, destinations: list[_Destination]) -> None:
+        plan = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        total = header.total_bytes
+        done = 0
+        unacknowledged = 0
+        batch = max(1, self.options.window // 2)
+        progress = self.options.progress
+        for seq, pieces in enumerate(plan):
+            message = self._recv_envelope(f"data message {seq} of {len(plan)}")
+            if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
+                raise ProtocolError(f"expected data message {seq}, got {message.get('op')!r} {message.get('seq')!r}")
+            expected = wire.chunk_length(pieces)
+            if len(pieces) == 1:
+                piece = pieces[0]
+                target = destinations[piece.storage].view[piece.start : piece.start + piece.length]
+                received = self.socket.recv_into(target)
+                if received != expected:
+                    raise ProtocolError(f"data message {seq} has {received} bytes, expected {expected}")
+                payload: Any = target
+            else:
+                frame = self.socket.recv(copy=False)
+                payload = frame.buffer
+                if len(payload) != expected:
+                    raise ProtocolError(f"data message {seq} has {len(payload)} bytes, expected {expected}")
+                at = 0
+                for piece in pieces:
+                    destinations[piece.storage].view[: piece.length] = payload[at : at + piece.length]
+                    at += piece.length
+            self._expect_no_more(f"data message {seq}")
+            crc = message.get("crc")
+            if header.checksum is not None:
+                if crc != zlib.crc32(payload):
+                    raise IntegrityError(
+                        f"checksum mismatch in data message {seq} (storages "
+                        f"{sorted({p.storage for p in pieces})}) from {self.address.endpoint}"
+                    )
+            unacknowledged += 1
+            if unacknowledged >= batch and seq + 1 < len(plan):
+                self.socket.send(wire.credit_request(self.xfer, unacknowledged))
+                unacknowledged = 0
+            done += expected
+            self.stats.messages += 1
+            if progress is not None:
+                progress(done, total)
+        message = self._recv_envelope("the end of the transfer")
+        if message["op"] != wire.OP_END:
+            raise ProtocolError(f"expected the end marker, got {message['op']!r}")
+        self._expect_no_more("the end marker")
+
+    def cancel(self) -> None:
+        try:
+            self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def _local_tensor(target: Any) -> torch.Tensor | None:
+    if target is None:
+        return None
+    local = getattr(target, "_local_tensor", None)  # DTensor: write into its shard
+    if isinstance(local, torch.Tensor):
+        return local
+    return target if isinstance(target, torch.Tensor) else None
+
+
+def _fits(target: torch.Tensor, spec: tree.TensorSpec, storage_nbytes: int) -> bool:
+    return (
+        target.dtype == spec.dtype
+        and tuple(target.shape) == spec.shape
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+        and spec.covers_whole_storage
+        and spec.nbytes == storage_nbytes
+        and target.layout == torch.strided
+    )
+
+
+def _build(parsed: _Header, destinations: list[_Destination]) -> Any:
+    tensors: dict[int, Any] = {}
+
+    def plain(index: int) -> torch.Tensor:
+        spec = parsed.specs[index]
+        destination = destinations[spec.storage]
+        if destination.in_place is not None:
+            return _local_tensor(destination.in_place)  # type: ignore[return-value]
+        assert destination.fresh is not None
+        tensor = torch.empty(0, dtype=spec.dtype).set_(
+            destination.fresh.untyped_storage(), spec.offset, spec.shape, spec.stride
+        )
+        if spec.is_param:
+            return torch.nn.Parameter(tensor, requires_grad=spec.requires_grad)
+        if spec.requires_grad:
+            tensor.requires_grad_(True)
+        return tensor
+
+    def leaf(index: int) -> Any:
+        if index not in tensors:
+            spec = parsed.specs[index]
+            destination = destinations[spec.storage]
+            # In place: hand back the caller's own tensor object, not a new view.
+            in_place = destination.in_place
+            tensors[index] = in_place if isinstance(in_place, torch.Tensor) and not hasattr(
+                in_place, "_local_tensor"
+            ) else plain(index)
+        return tensors[index]
+
+    def make_dtensor(index: int, spec_obj: Any, requires_grad: bool) -> Any:
+        from . import dtensor_codec
+
+        destination = destinations[parsed.specs[index].storage]
+        target = destination.in_place
+        return dtensor_codec.make_dtensor(plain(index), spec_obj, requires_grad, like=target)
+
+    return tree.build_tree(parsed.header.skeleton, leaf, make_dtensor)
+
+
+def fetch(
+    context: zmq.Context[Any],
+    address: PeerAddress,
+    src_rank: int,
+    step: int,
+    timeout: float,
+    options: FetchOptions,
+    targets: Any = None,
+) -> tuple[Any, TransferStats]:
+    """Fetch ``step`` from the peer at ``address``; see :meth:`ZMQTransport.recv_checkpoint`."""
+    receiver = _Receiver(context, address, src_rank, step, timeout, options)
+    started = time.monotonic()
+    try:
+        receiver.request()
+        parsed = receiver.receive_header()
+        receiver.stats.header_seconds = time.monotonic() - started
+        destinations = receiver.destinations(parsed, targets)
+        receiver.receive_data(parsed.header, destinations)
+        result = _build(parsed, destinations)
+    except BaseException:
+        receiver.cancel()
+        raise
+    finally:
+        receiver.close()
+    stats = receiver.stats
+    stats.seconds = time.monotonic() - started
+    stats.bytes = parsed.header.total_bytes
+    stats.in_place_bytes = sum(
+        n for n, d in zip(parsed.header.storages, destinations, strict=True) if d.in_place is not None
+    )
+    stats.tensors = len(parsed.specs)
+    logger.info(
+        "received step %d from rank %d at %s: %d bytes (%d in place) in %.3f s (%.2f GB/s)",
+        step,
+        src_rank,
+        address.endpoint,
+        stats.bytes,
+        stats.in_place_bytes,
+        stats.seconds,
+        stats.gbps,
+    )
+    return result, stats
+
+
+def fetch_header(
+    context: zmq.Context[Any],
+    address: PeerAddress,
+    step: int,
+    timeout: float,
+    options: FetchOptions,
+) -> wire.Header:
+    """Ask the peer for the header of ``step`` only (no tensor data moves)."""
+    receiver = _Receiver(context, address, -1, step, timeout, options)
+    try:
+        receiver.request(header_only=True)
+        parsed = receiver.receive_header()
+        message = receiver._recv_envelope("the end marker")
+        if message["op"] != wire.OP_END:
+            raise ProtocolError(f"expected the end marker, got {message['op']!r}")
+        return parsed.header
+    finally:
+        receiver.close()

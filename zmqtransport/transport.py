@@ -1,0 +1,223 @@
+"""ZMQTransport: the CheckpointTransport facade over the sender and the receiver.
+
+Threading contract:
+
+* construction binds one ROUTER socket and starts one serving thread that
+  alone uses it (:mod:`zmqtransport.sender`);
+* ``send_checkpoint`` and ``disallow_checkpoint`` may be called from any
+  thread; they hand work to the serving thread and never touch its socket;
+* ``recv_checkpoint`` runs in the calling thread with a DEALER socket of its
+  own (:mod:`zmqtransport.receiver`); concurrent calls are independent;
+* ``shutdown`` stops the serving thread and terminates the ZeroMQ context.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import zmq
+
+from . import tree, wire
+from .contract import CheckpointTransport, register_with_torchft
+from .net import PeerAddress, choose_advertise_host, parse_metadata
+from .receiver import FetchOptions, ProgressCallback, TransferStats, fetch, fetch_header
+from .sender import Server, Staged
+
+T = TypeVar("T")
+
+DEFAULT_CHUNK_BYTES = 1024 * 1024
+DEFAULT_PACK_BELOW = 64 * 1024
+DEFAULT_WINDOW = 16
+
+
+class ZMQTransport(CheckpointTransport[T]):
+    """Serve and fetch training state over ZeroMQ, without pickle.
+
+    Args:
+        timeout: the transport timeout. A receiver that grants no credit for
+            this long is dropped, and ``disallow_checkpoint`` never waits longer
+            than this for receivers to let go of the staged memory.
+        bind_host: interface to listen on; ``"*"`` (default) means all of them.
+        port: TCP port to listen on; 0 (default) picks a free one.
+        advertise_host: the host put in :meth:`metadata`. Default: see
+            :func:`zmqtransport.net.choose_advertise_host` (the
+            ``ZMQTRANSPORT_ADVERTISE_HOST`` environment variable, the bind host,
+            or the default-route interface's address).
+        chunk_bytes: largest data frame this side sends.
+        pack_below: storages smaller than this are packed together into shared
+            frames (one frame per tiny tensor would be slow).
+        window: data messages this side lets a sender have in flight when
+            receiving (the credit window); ``window * chunk_bytes`` bounds the
+            memory queued per receiver.
+        allow_pickle: send objects that have no pickle-free encoding as pickle,
+            and accept pickled objects when receiving. Off by default: a peer's
+            pickle can run arbitrary code. Both sides must opt in.
+        state_dict: a callable returning the receiver's current structure; when
+            set, ``recv_checkpoint`` writes each tensor into the tensor at the
+            same key path when dtype, shape and device match. A failed receive
+            may leave those targets partly written (the error is still raised).
+        checksum: when sending, attach a CRC32 to every data frame; receivers
+            always verify checksums a sender attached.
+        max_recv_bytes: refuse a header announcing more fresh memory than this
+            (default: physical memory).
+        io_threads: ZeroMQ I/O threads of this transport's context.
+        progress: ``callback(bytes_done, bytes_total)`` called while receiving.
+    """
+
+    def __init__(
+        self,
+        timeout: timedelta,
+        *,
+        bind_host: str = "*",
+        port: int = 0,
+        advertise_host: str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        pack_below: int = DEFAULT_PACK_BELOW,
+        window: int = DEFAULT_WINDOW,
+        allow_pickle: bool = False,
+        state_dict: Callable[[], T] | None = None,
+        checksum: bool = False,
+        max_recv_bytes: int | None = None,
+        io_threads: int = 1,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [{wire.MIN_CHUNK_BYTES}, {wire.MAX_CHUNK_BYTES}]")
+        if not 0 <= pack_below <= chunk_bytes:
+            raise ValueError("pack_below must be in [0, chunk_bytes]")
+        if not 1 <= window <= wire.MAX_CREDIT:
+            raise ValueError(f"window must be in [1, {wire.MAX_CREDIT}]")
+        self._timeout = timeout
+        self._chunk_bytes = chunk_bytes
+        self._pack_below = pack_below
+        self._allow_pickle = allow_pickle
+        self._state_dict = state_dict
+        self._checksum = "crc32" if checksum else None
+        self._fetch_options = FetchOptions(
+            allow_pickle=allow_pickle, window=window, max_bytes=max_recv_bytes, progress=progress
+        )
+        self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
+        self._shutdown_lock = threading.Lock()
+        self._shut_down = False
+        try:
+            self._server = Server(self._context, bind_host, port, timeout.total_seconds())
+        except BaseException:
+            self._context.term()
+            raise
+        self._address = PeerAddress(choose_advertise_host(bind_host, advertise_host), self._server.port)
+        self.last_recv_stats: TransferStats | None = None
+
+    # ------------------------------------------------------------------ contract
+
+    def metadata(self) -> str:
+        """``tcp://HOST:PORT`` of this transport's ROUTER socket."""
+        return self._address.to_metadata()
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+        """Stage ``state_dict`` as ``step`` and return at once; receivers pull it.
+
+        The tensors are not copied (CPU ones): do not mutate them until
+        :meth:`disallow_checkpoint` returns. Raises ``TypeError`` naming the key
+        path of any leaf that cannot be sent.
+        """
+        self._check_open()
+        if type(step) is not int or not 0 <= step <= wire.MAX_STEP:
+            raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
+        encoded = tree.encode_tree(state_dict, self._allow_pickle)
+        storages = [ref.nbytes for ref in encoded.storages]
+        header = wire.Header(
+            step=step,
+            skeleton=encoded.skeleton,
+            tensors=encoded.tensors,
+            storages=storages,
+            chunk_bytes=self._chunk_bytes,
+            pack_below=self._pack_below,
+            checksum=self._checksum,
+        )
+        body = wire.pack(
+            {
+                "step": header.step,
+                "skeleton": header.skeleton,
+                "tensors": header.tensors,
+                "storages": header.storages,
+                "chunk_bytes": header.chunk_bytes,
+                "pack_below": header.pack_below,
+                "checksum": header.checksum,
+            }
+        )
+        plan = wire.plan_chunks(storages, self._chunk_bytes, self._pack_below)
+        staged = Staged(step, body, encoded, plan, self._checksum, [None] * len(plan))
+        self._server.stage(staged)
+
+    def disallow_checkpoint(self) -> None:
+        """Stop serving; returns once ZeroMQ no longer references the staged tensors."""
+        if not self._shut_down:
+            self._server.disallow()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+        """Fetch ``step`` from the transport whose :meth:`metadata` is ``metadata``.
+
+        Raises ``TimeoutError`` (message says "timed out", names the peer and
+        step) when any phase outlasts ``timeout``; :class:`RemoteError` when the
+        peer refuses (wrong step, disallowed, ...); :class:`ProtocolError` for a
+        malformed reply. Never returns partial state.
+        """
+        self._check_open()
+        address = parse_metadata(metadata)
+        targets = self._state_dict() if self._state_dict is not None else None
+        result, stats = fetch(
+            self._context,
+            address,
+            src_rank,
+            step,
+            timeout.total_seconds(),
+            self._fetch_options,
+            targets,
+        )
+        self.last_recv_stats = stats
+        return result  # type: ignore[no-any-return]
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop serving and release sockets; idempotent. ``wait=False`` returns at once."""
+        with self._shutdown_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+        if wait:
+            self._close()
+        else:
+            threading.Thread(target=self._close, name="zmqtransport-shutdown", daemon=True).start()
+
+    # ------------------------------------------------------------------ extras
+
+    def fetch_header(self, metadata: str, step: int, timeout: timedelta) -> wire.Header:
+        """What the peer serves for ``step`` (tensor table, sizes), without the data."""
+        self._check_open()
+        return fetch_header(self._context, parse_metadata(metadata), step, timeout.total_seconds(), self._fetch_options)
+
+    @property
+    def address(self) -> PeerAddress:
+        return self._address
+
+    def _close(self) -> None:
+        self._server.stop(wait=True)
+        self._context.term()
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this ZMQTransport has been shut down")
+
+    def __enter__(self) -> ZMQTransport[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"ZMQTransport({self.metadata()!r})"
+
+
+register_with_torchft(ZMQTransport)

@@ -1,0 +1,279 @@
+"""The wire format: message envelopes, the checkpoint header, and the chunk plan.
+
+Everything here is pure (no sockets) so both sides and the tests share one
+definition of the protocol. docs/protocol.md is the prose version of this file;
+keep the two in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Operations, receiver -> sender.
+OP_FETCH = "fetch"
+OP_CREDIT = "credit"
+OP_CANCEL = "cancel"
+# Operations, sender -> receiver.
+OP_HEADER = "header"
+OP_DATA = "data"
+OP_END = "end"
+OP_ERROR = "error"
+
+REQUEST_OPS = (OP_FETCH, OP_CREDIT, OP_CANCEL)
+REPLY_OPS = (OP_HEADER, OP_DATA, OP_END, OP_ERROR)
+
+# Error codes carried by OP_ERROR replies.
+ERR_VERSION = "version"
+ERR_BAD_REQUEST = "bad_request"
+ERR_WRONG_STEP = "wrong_step"
+ERR_NOT_STAGED = "not_staged"
+ERR_DISALLOWED = "disallowed"
+ERR_STALLED = "stalled"
+ERR_PICKLE = "pickle_refused"
+ERR_SHUTDOWN = "shutdown"
+ERR_BUSY = "busy"
+
+# A request is a few dozen bytes; anything bigger is not ours (ZMQ_MAXMSGSIZE on the ROUTER).
+MAX_REQUEST_BYTES = 64 * 1024
+# Largest header a receiver accepts, and the largest data frame a sender may choose.
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+MAX_CHUNK_BYTES = 64 * 1024 * 1024
+MIN_CHUNK_BYTES = 4 * 1024
+# Largest number of data messages one receiver may have in flight (server-side cap).
+MAX_CREDIT = 256
+MAX_STEP = 2**63 - 1
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack(frame: bytes | memoryview, limit: int) -> dict[str, Any]:
+    """Decode one envelope frame; anything but a msgpack map of bounded size is an error."""
+    if len(frame) > limit:
+        raise ProtocolError(f"envelope of {len(frame)} bytes exceeds the limit of {limit}")
+    try:
+        # unpackb bounds every string, array and map by the frame's own length.
+        value = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"undecodable msgpack envelope: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"envelope must be a msgpack map, got {type(value).__name__}")
+    return value
+
+
+def _field(message: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = message.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ProtocolError(f"field {name!r} is missing or not {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def check_version(message: dict[str, Any], who: str) -> None:
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version mismatch: {who} speaks version {version!r}, "
+            f"this side speaks version {PROTOCOL_VERSION}"
+        )
+
+
+@dataclass(frozen=True)
+class Request:
+    op: str
+    xfer: int
+    step: int = 0
+    wait_ms: int = 0
+    credit: int = 0
+    accept_pickle: bool = False
+    header_only: bool = False
+
+
+def decode_request(frame: bytes | memoryview) -> Request:
+    """Parse and validate one receiver->sender envelope."""
+    message = unpack(frame, MAX_REQUEST_BYTES)
+    check_version(message, "the receiver")
+    op = message.get("op")
+    if op not in REQUEST_OPS:
+        raise ProtocolError(f"unknown request op {op!r}")
+    xfer = _field(message, "id", int)
+    if not 0 <= xfer < 2**64:
+        raise ProtocolError("transfer id out of range")
+    if op == OP_FETCH:
+        step = _field(message, "step", int)
+        if not 0 <= step <= MAX_STEP:
+            raise ProtocolError(f"step {step} out of range")
+        wait_ms = _field(message, "wait_ms", int)
+        credit = _field(message, "credit", int)
+        if wait_ms < 0 or credit < 1:
+            raise ProtocolError("wait_ms must be >= 0 and credit >= 1")
+        return Request(
+            op,
+            xfer,
+            step=step,
+            wait_ms=min(wait_ms, 7 * 24 * 3600 * 1000),
+            credit=min(credit, MAX_CREDIT),
+            accept_pickle=bool(message.get("pickle", False)),
+            header_only=bool(message.get("header_only", False)),
+        )
+    if op == OP_CREDIT:
+        credit = _field(message, "n", int)
+        if not 1 <= credit <= MAX_CREDIT:
+            raise ProtocolError(f"credit {credit} out of range")
+        return Request(op, xfer, credit=credit)
+    return Request(op, xfer)
+
+
+def fetch_request(
+    xfer: int, step: int, wait_ms: int, credit: int, accept_pickle: bool, header_only: bool = False
+) -> bytes:
+    return pack(
+        {
+            "v": PROTOCOL_VERSION,
+            "op": OP_FETCH,
+            "id": xfer,
+            "step": step,
+            "wait_ms": wait_ms,
+            "credit": credit,
+            "pickle": accept_pickle,
+            "header_only": header_only,
+        }
+    )
+
+
+def credit_request(xfer: int, n: int) -> bytes:
+    return pack({"v": PROTOCOL_VERSION, "op": OP_CREDIT, "id": xfer, "n": n})
+
+
+def cancel_request(xfer: int) -> bytes:
+    return pack({"v": PROTOCOL_VERSION, "op": OP_CANCEL, "id": xfer})
+
+
+def error_reply(xfer: int, code: str, message: str) -> bytes:
+    return pack({"v": PROTOCOL_VERSION, "op": OP_ERROR, "id": xfer, "code": code, "msg": message})
+
+
+def data_envelope(xfer: int, seq: int, crc: int | None) -> bytes:
+    return pack({"v": PROTOCOL_VERSION, "op": OP_DATA, "id": xfer, "seq": seq, "crc": crc})
+
+
+def end_reply(xfer: int) -> bytes:
+    return pack({"v": PROTOCOL_VERSION, "op": OP_END, "id": xfer})
+
+
+# ----------------------------------------------------------------------------- checkpoint header
+
+
+@dataclass(frozen=True)
+class Header:
+    """The description of a staged checkpoint, sent once before its data frames."""
+
+    step: int
+    skeleton: Any
+    tensors: list[Any]
+    storages: list[int]  # nbytes of each storage, in stream order
+    chunk_bytes: int
+    pack_below: int
+    checksum: str | None  # name of the per-frame checksum, or None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.storages)
+
+    def to_message(self, xfer: int) -> bytes:
+        return pack(
+            {
+                "v": PROTOCOL_VERSION,
+                "op": OP_HEADER,
+                "id": xfer,
+                "step": self.step,
+                "skeleton": self.skeleton,
+                "tensors": self.tensors,
+                "storages": self.storages,
+                "chunk_bytes": self.chunk_bytes,
+                "pack_below": self.pack_below,
+                "checksum": self.checksum,
+            }
+        )
+
+
+def decode_header(message: dict[str, Any]) -> Header:
+    """Validate the fields of an OP_HEADER envelope (the tree itself is checked in tree.py)."""
+    step = _field(message, "step", int)
+    storages = _field(message, "storages", list)
+    for nbytes in storages:
+        if type(nbytes) is not int or not 0 <= nbytes <= 2**50:
+            raise ProtocolError(f"invalid storage size {nbytes!r}")
+    chunk_bytes = _field(message, "chunk_bytes", int)
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ProtocolError(f"chunk_bytes {chunk_bytes} outside [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
+    pack_below = _field(message, "pack_below", int)
+    if not 0 <= pack_below <= chunk_bytes:
+        raise ProtocolError(f"pack_below {pack_below} outside [0, chunk_bytes]")
+    checksum = message.get("checksum")
+    if checksum is not None and checksum not in CHECKSUMS:
+        raise ProtocolError(f"unknown checksum {checksum!r}")
+    if "skeleton" not in message:
+        raise ProtocolError("header has no skeleton")
+    return Header(
+        step=step,
+        skeleton=message["skeleton"],
+        tensors=_field(message, "tensors", list),
+        storages=storages,
+        chunk_bytes=chunk_bytes,
+        pack_below=pack_below,
+        checksum=checksum,
+    )
+
+
+# ----------------------------------------------------------------------------- chunk plan
+
+
+@dataclass(frozen=True)
+class Piece:
+    storage: int
+    start: int
+    length: int
+
+
+def plan_chunks(storages: list[int], chunk_bytes: int, pack_below: int) -> list[list[Piece]]:
+    """Split the storages into data messages; both sides compute the same plan.
+
+    A storage of at least ``pack_below`` bytes travels alone, in slices of up to
+    ``chunk_bytes`` (each slice one zero-copy frame). Smaller storages are packed,
+    in order, into shared frames of up to ``chunk_bytes``: thousands of tiny
+    tensors then cost a handful of messages instead of one each.
+    """
+    plan: list[list[Piece]] = []
+    pack: list[Piece] = []
+    packed = 0
+    for index, nbytes in enumerate(storages):
+        if nbytes == 0:
+            continue
+        if nbytes >= pack_below:
+            for start in range(0, nbytes, chunk_bytes):
+                plan.append([Piece(index, start, min(chunk_bytes, nbytes - start))])
+            continue
+        if packed + nbytes > chunk_bytes:
+            plan.append(pack)
+            pack, packed = [], 0
+        pack.append(Piece(index, 0, nbytes))
+        packed += nbytes
+    if pack:
+        plan.append(pack)
+    return plan
+
+
+def chunk_length(pieces: list[Piece]) -> int:
+    return sum(piece.length for piece in pieces)
+
+
+# Per-frame checksums (opt-in). crc32 from zlib runs at several GB/s.
+CHECKSUMS = ("crc32",)
