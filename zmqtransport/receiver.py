@@ -140,6 +140,10 @@ class _Receiver:
             self._drain_rest()
             code = str(message.get("code", "unknown"))
             text = str(message.get("msg", ""))
+            if code == wire.ERR_NOT_STAGED:
+                # The peer gave up waiting for the step on our behalf: same outcome
+                # as our own deadline passing, so the same error type.
+                raise self._timed_out(f"{waiting_for} (the peer staged nothing: {text})")
             raise RemoteError(code, f"rank {self.src_rank} at {self.address.endpoint}: {text}")
         if op not in wire.REPLY_OPS:
             raise ProtocolError(f"unknown reply op {op!r}")
