@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
+import keyword
 import math
 import pickle
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,8 +283,11 @@ def decode_tensor_table(entries: Any, storage_nbytes: list[int]) -> list[TensorS
         stride_t = _int_list(stride, f"tensor entry {number} stride")
         if len(shape_t) != len(stride_t):
             raise ProtocolError(f"tensor entry {number}: shape and stride differ in length")
-        if type(offset) is not int or offset < 0:
+        if type(offset) is not int or not 0 <= offset <= 2**62:
             raise ProtocolError(f"tensor entry {number} has invalid offset {offset!r}")
+        if math.prod(shape_t) > 2**62:
+            # torch counts elements in int64; a bigger product fails in set_().
+            raise ProtocolError(f"tensor entry {number} has more than 2**62 elements")
         if type(requires_grad) is not bool or type(is_param) is not bool:
             raise ProtocolError(f"tensor entry {number} has invalid flags")
         spec = TensorSpec(storage, DTYPES[dtype], shape_t, stride_t, offset, requires_grad, is_param)
@@ -312,7 +317,11 @@ def index_skeleton(skeleton: Any, n_tensors: int, allow_pickle: bool) -> dict[in
         paths[value] = path
 
     def visit(node: Any, path: KeyPath, depth: int) -> Any:
-        """Returns the python key this node decodes to (used for dict keys in paths)."""
+        """Returns the python key this node decodes to (used for dict keys in paths).
+
+        Lists and dicts return :data:`_UNHASHABLE`: build_tree could not use them
+        as dict keys, so a dict item keyed by one is refused here, not there.
+        """
         if depth > MAX_DEPTH:
             raise ProtocolError(f"{format_path(path)}: nesting deeper than {MAX_DEPTH}")
         if node is None or type(node) in (bool, int, float, str, bytes):
@@ -321,45 +330,51 @@ def index_skeleton(skeleton: Any, n_tensors: int, allow_pickle: bool) -> dict[in
             raise ProtocolError(f"{format_path(path)}: malformed node")
         tag, args = node[0], node[1:]
         if tag in (TAG_LIST, TAG_TUPLE) and len(args) == 1 and isinstance(args[0], list):
-            for i, item in enumerate(args[0]):
-                visit(item, (*path, i), depth + 1)
-            return None
+            keys = tuple(visit(item, (*path, i), depth + 1) for i, item in enumerate(args[0]))
+            return keys if tag == TAG_TUPLE and _UNHASHABLE not in keys else _UNHASHABLE
         if tag in (TAG_DICT, TAG_ORDERED_DICT) and len(args) == 1 and isinstance(args[0], list):
             for pair in args[0]:
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise ProtocolError(f"{format_path(path)}: malformed dict item")
                 key = visit(pair[0], path, depth + 1)
+                if key is _UNHASHABLE:
+                    raise ProtocolError(f"{format_path(path)}: unhashable dict key")
                 visit(pair[1], (*path, key), depth + 1)
-            return None
+            return _UNHASHABLE
         if tag == TAG_NAMEDTUPLE and len(args) == 4:
             module, qualname, fields, items = args
             if not (
                 isinstance(module, str)
                 and isinstance(qualname, str)
                 and isinstance(fields, list)
-                and all(isinstance(f, str) and f.isidentifier() for f in fields)
+                and all(_valid_field(f) for f in fields)
+                and len(set(fields)) == len(fields)
                 and isinstance(items, list)
                 and len(items) == len(fields)
             ):
                 raise ProtocolError(f"{format_path(path)}: malformed namedtuple")
-            for i, item in enumerate(items):
-                visit(item, (*path, i), depth + 1)
-            return None
+            keys = tuple(visit(item, (*path, i), depth + 1) for i, item in enumerate(items))
+            return keys if _UNHASHABLE not in keys else _UNHASHABLE
         if tag == TAG_TENSOR and len(args) == 1:
             tensor_index(args[0], path)
-            return None
+            return (TAG_TENSOR, args[0])  # tensors hash by identity, so they may be keys
         if tag == TAG_DTENSOR and len(args) == 3 and type(args[2]) is bool:
             tensor_index(args[0], path)
             from . import dtensor_codec
 
             dtensor_codec.validate_spec(args[1], path)
-            return None
+            return (TAG_DTENSOR, args[0])
         if tag == TAG_BIGINT and len(args) == 1 and isinstance(args[0], str):
+            # Python refuses to parse more than 4300 digits (CPython's default
+            # int_max_str_digits); refuse here so build_tree never meets it.
+            if len(args[0]) > _MAX_BIGINT_CHARS:
+                where = format_path(path)
+                raise ProtocolError(f"{where}: big integer of {len(args[0])} characters")
             try:
-                return int(args[0][:4096])
+                return int(args[0])
             except ValueError:
                 raise ProtocolError(f"{format_path(path)}: malformed big integer") from None
-        if tag == TAG_DTYPE and len(args) == 1 and args[0] in DTYPES:
+        if tag == TAG_DTYPE and len(args) == 1 and isinstance(args[0], str) and args[0] in DTYPES:
             return DTYPES[args[0]]
         if tag == TAG_SIZE and len(args) == 1:
             return torch.Size(_int_list(args[0], format_path(path)))
@@ -371,13 +386,27 @@ def index_skeleton(skeleton: Any, n_tensors: int, allow_pickle: bool) -> dict[in
                     f"{format_path(path)}: the peer sent a pickled object and this receiver "
                     "has allow_pickle=False; refusing it"
                 )
-            return None
+            return (TAG_PICKLE, args[0])  # hashability unknown until unpickled (trusted peer)
         raise ProtocolError(f"{format_path(path)}: unknown or malformed node tag {tag!r}")
 
     visit(skeleton, (), 0)
     if len(paths) != n_tensors:
         raise ProtocolError(f"skeleton uses {len(paths)} of {n_tensors} tensor table entries")
     return paths
+
+
+_UNHASHABLE = object()  # index_skeleton's key for nodes that decode to lists or dicts
+_MAX_BIGINT_CHARS = 4096
+
+
+def _valid_field(name: Any) -> bool:
+    """Whether collections.namedtuple accepts ``name`` as a field name."""
+    return (
+        isinstance(name, str)
+        and name.isidentifier()
+        and not keyword.iskeyword(name)
+        and not name.startswith("_")
+    )
 
 
 def _device(text: str, path: KeyPath) -> torch.device:
@@ -391,15 +420,28 @@ def _namedtuple_class(module: str, qualname: str, fields: list[str]) -> type:
     """The sender's namedtuple class if this process has it loaded, else a stand-in.
 
     Only modules already imported are consulted: a peer must never make us import code.
+    Names are looked up in ``__dict__`` rather than with ``getattr`` so that a
+    module-level ``__getattr__`` (lazy submodule imports, as torch has) never runs.
     """
     target: Any = sys.modules.get(module)
     for part in qualname.split("."):
-        target = getattr(target, part, None) if target is not None else None
+        namespace = getattr(target, "__dict__", None)
+        target = namespace.get(part) if isinstance(namespace, Mapping) else None
     if isinstance(target, type) and issubclass(target, tuple):
         if list(getattr(target, "_fields", ())) == fields:
             return target
     name = qualname.rsplit(".", 1)[-1]
-    return collections.namedtuple(name if name.isidentifier() else "Record", fields)  # type: ignore[misc]
+    return _stand_in(name if _valid_field(name.lstrip("_")) else "Record", tuple(fields))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stand_in(name: str, fields: tuple[str, ...]) -> type:
+    """A namedtuple class for a sender's class this process lacks.
+
+    Cached: building a class costs an ``exec``, and a header may hold
+    thousands of records of one type.
+    """
+    return collections.namedtuple(name, fields)  # type: ignore[misc]
 
 
 def build_tree(

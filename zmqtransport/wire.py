@@ -49,6 +49,10 @@ MIN_CHUNK_BYTES = 4 * 1024
 # Largest number of data messages one receiver may have in flight (server-side cap).
 MAX_CREDIT = 256
 MAX_STEP = 2**63 - 1
+# Most storages and tensor-table entries one header may describe. Each costs the
+# receiver Python objects and an allocation even when empty, so without a cap a
+# header of zero-sized storages could exhaust memory while claiming no bytes.
+MAX_TENSORS = 1 << 20
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -206,8 +210,14 @@ class Header:
 
 def decode_header(message: dict[str, Any]) -> Header:
     """Validate the fields of an OP_HEADER envelope (the tree itself is checked in tree.py)."""
+    if not isinstance(message, dict):
+        raise ProtocolError(f"header must be a msgpack map, got {type(message).__name__}")
     step = _field(message, "step", int)
+    if not 0 <= step <= MAX_STEP:
+        raise ProtocolError(f"header step {step} out of range")
     storages = _field(message, "storages", list)
+    if len(storages) > MAX_TENSORS:
+        raise ProtocolError(f"header lists {len(storages)} storages, more than {MAX_TENSORS}")
     for nbytes in storages:
         if type(nbytes) is not int or not 0 <= nbytes <= 2**50:
             raise ProtocolError(f"invalid storage size {nbytes!r}")
@@ -222,10 +232,13 @@ def decode_header(message: dict[str, Any]) -> Header:
         raise ProtocolError(f"unknown checksum {checksum!r}")
     if "skeleton" not in message:
         raise ProtocolError("header has no skeleton")
+    tensors = _field(message, "tensors", list)
+    if len(tensors) > MAX_TENSORS:
+        raise ProtocolError(f"header lists {len(tensors)} tensors, more than {MAX_TENSORS}")
     return Header(
         step=step,
         skeleton=message["skeleton"],
-        tensors=_field(message, "tensors", list),
+        tensors=tensors,
         storages=storages,
         chunk_bytes=chunk_bytes,
         pack_below=pack_below,
