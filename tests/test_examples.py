@@ -20,13 +20,31 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RUN_TIMEOUT_S = 240  # generous: the machine may be shared; a hang still fails
 
 
-def run_example(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+# Variables that would switch torchft_ddp.py into torchrun mode or point it at
+# someone else's lighthouse if the test runner happened to have them set.
+LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHFT_LIGHTHOUSE",
+    "REPLICA_GROUP_ID",
+    "NUM_REPLICA_GROUPS",
+    "TORCHELASTIC_RESTART_COUNT",
+)
+
+
+def clean_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+
+
+def run_example(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *argv],
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
-        env=env,
+        env=clean_environ(),
         cwd=EXAMPLES.parent,
     )
 
@@ -146,7 +164,7 @@ def test_torchft_ddp_two_rank_groups_external_lighthouse_sync_quorum(
 def _torchrun_group(group: int, lighthouse: str, log: Path) -> subprocess.Popen[str]:
     """One replica group as torchrun runs it, with the environment the docstring asks for."""
     env = dict(
-        os.environ,
+        clean_environ(),
         TORCHFT_LIGHTHOUSE=lighthouse,
         REPLICA_GROUP_ID=str(group),
         NUM_REPLICA_GROUPS="2",
