@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -11,6 +12,9 @@ import pytest
 from zmqtransport import ZMQTransport
 
 TIMEOUT = timedelta(seconds=20)
+
+# torchft sets up its Rust logging on first import; keep its INFO lines out of test output.
+os.environ.setdefault("RUST_LOG", "warn")
 
 
 @pytest.fixture

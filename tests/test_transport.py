@@ -260,3 +260,14 @@ def test_shutdown_is_idempotent_and_leaves_no_threads() -> None:
     with pytest.raises(RuntimeError, match="shut down"):
         transports[0].send_checkpoint([1], 2, {}, TIMEOUT)
     transports[0].disallow_checkpoint()  # harmless after shutdown
+
+
+def test_failing_state_dict_callable_falls_back_to_fresh_memory(make_transport: Any) -> None:
+    def broken() -> Any:
+        raise RuntimeError("model not built yet")
+
+    sender, receiver = make_transport(), make_transport(state_dict=broken)
+    state = model_state(5, tensors=2)
+    sender.send_checkpoint([1], 5, state, TIMEOUT)
+    assert_state_equal(receiver.recv_checkpoint(0, sender.metadata(), 5, TIMEOUT), state)
+    assert receiver.last_recv_stats is not None and receiver.last_recv_stats.in_place_bytes == 0

@@ -13,6 +13,7 @@ Threading contract:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,6 +28,8 @@ from .receiver import FetchOptions, ProgressCallback, TransferStats, fetch, fetc
 from .sender import Server, Staged
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_PACK_BELOW = 64 * 1024
@@ -167,7 +170,7 @@ class ZMQTransport(CheckpointTransport[T]):
         """
         self._check_open()
         address = parse_metadata(metadata)
-        targets = self._state_dict() if self._state_dict is not None else None
+        targets = self._in_place_targets()
         result, stats = fetch(
             self._context,
             address,
@@ -197,6 +200,16 @@ class ZMQTransport(CheckpointTransport[T]):
         """What the peer serves for ``step`` (tensor table, sizes), without the data."""
         self._check_open()
         return fetch_header(self._context, parse_metadata(metadata), step, timeout.total_seconds(), self._fetch_options)
+
+    def _in_place_targets(self) -> Any:
+        """The structure to receive into, or None: a failing callable costs speed, not the heal."""
+        if self._state_dict is None:
+            return None
+        try:
+            return self._state_dict()
+        except Exception:
+            logger.warning("state_dict callable failed; receiving into fresh memory", exc_info=True)
+            return None
 
     @property
     def address(self) -> PeerAddress:
