@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ import zmq
 
 from . import wire
 from .errors import ProtocolError
+from .receiver import TransferStats
 from .tree import EncodedTree
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ _MAX_TRANSFERS_PER_PEER = 4
 _MAX_TRANSFERS = 64
 _MAX_PENDING = 256
 _BATCH = 64  # data messages per pump round before the poller is checked again
+_SENT_HISTORY = 256  # finished sends remembered for sent_since()
 
 
 @dataclass
@@ -149,6 +152,11 @@ class Server:
         self._pending: list[Pending] = []
         self._trackers: list[zmq.MessageTracker] = []
         self._disallows: list[_Disallow] = []
+        # Finished sends (newest last, bounded) and how many there were in all.
+        # Written by the serving thread, read by any: the lock keeps the pair consistent.
+        self._sent: deque[TransferStats] = deque(maxlen=_SENT_HISTORY)
+        self._sent_count = 0
+        self._sent_lock = threading.Lock()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"zmqtransport-serve-{self.port}", daemon=True)
         self._thread.start()
@@ -179,6 +187,13 @@ class Server:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def sent_since(self, cursor: int) -> tuple[int, list[TransferStats]]:
+        """Sends finished after the first ``cursor`` ones, and the cursor to pass next time."""
+        with self._sent_lock:
+            count, recent = self._sent_count, list(self._sent)
+        fresh = max(0, count - max(cursor, 0))
+        return count, recent[len(recent) - min(fresh, len(recent)) :]
 
     def _command(self, *command: Any) -> None:
         self._commands.put(command)
@@ -384,6 +399,17 @@ class Server:
             seconds,
             nbytes / seconds / 1e9,
         )
+        stats = TransferStats(
+            peer=transfer.address,
+            step=transfer.staged.step,
+            bytes=nbytes,
+            tensors=len(transfer.staged.tree.tensors),
+            messages=len(transfer.staged.plan),
+            seconds=seconds,
+        )
+        with self._sent_lock:
+            self._sent.append(stats)
+            self._sent_count += 1
 
     def _abort(self, transfer: Transfer, code: str, message: str) -> None:
         self._transfers.pop((transfer.peer, transfer.xfer), None)

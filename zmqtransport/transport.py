@@ -68,6 +68,9 @@ class ZMQTransport(CheckpointTransport[T]):
             (default: physical memory).
         io_threads: ZeroMQ I/O threads of this transport's context.
         progress: ``callback(bytes_done, bytes_total)`` called while receiving.
+
+    After each receive, :attr:`last_recv_stats` describes it; :attr:`last_send_stats`
+    and :meth:`sent_since` describe the transfers this transport served.
     """
 
     def __init__(
@@ -210,6 +213,20 @@ class ZMQTransport(CheckpointTransport[T]):
         except Exception:
             logger.warning("state_dict callable failed; receiving into fresh memory", exc_info=True)
             return None
+
+    @property
+    def last_send_stats(self) -> TransferStats | None:
+        """The last transfer this transport finished serving (peer, step, bytes, seconds), or None."""
+        recent = self._server.sent_since(0)[1]
+        return recent[-1] if recent else None
+
+    def sent_since(self, cursor: int = 0) -> tuple[int, list[TransferStats]]:
+        """Transfers finished serving after the first ``cursor`` ones, and the next cursor.
+
+        Poll it as ``cursor, new = transport.sent_since(cursor)`` to see every
+        served transfer once (the most recent 256 are kept).
+        """
+        return self._server.sent_since(cursor)
 
     @property
     def address(self) -> PeerAddress:
