@@ -221,6 +221,16 @@ def test_like_reuses_live_mesh_and_object() -> None:
     assert_same_dtensor(decode(dt, like=torch.zeros(2, 3)), dt)
 
 
+def test_spec_matches() -> None:
+    dt = fake_dtensor(fake_mesh(), [Shard(0), Shard(1)])
+    obj = wire(codec.encode_spec(dt._spec, PATH))
+    assert codec.spec_matches(fake_dtensor(fake_mesh(rank=3), [Shard(0), Shard(1)]), obj)
+    assert not codec.spec_matches(fake_dtensor(fake_mesh(), [Shard(0), Replicate()]), obj)
+    assert not codec.spec_matches(fake_dtensor(fake_mesh(names=None), [Shard(0), Shard(1)]), obj)
+    assert not codec.spec_matches(torch.zeros(2, 3), obj)
+    assert not codec.spec_matches(None, obj)
+
+
 # ------------------------------------------------------------------------- through the transport
 
 

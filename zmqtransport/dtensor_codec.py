@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import sys
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -466,6 +467,27 @@ def make_dtensor(
     except (AssertionError, ValueError, TypeError, RuntimeError, IndexError) as exc:
         # torch's own checks (layout overlap, shard order, grad on integers...).
         raise ProtocolError(f"DTensor spec refused by torch: {exc}") from None
+
+
+def spec_matches(like: Any, spec_obj: dict[str, Any]) -> bool:
+    """True when ``like`` is a DTensor whose spec is the one ``spec_obj`` describes.
+
+    Meant for choosing in-place targets: writing a shard into a DTensor whose
+    mesh, placements or meta differ would leave that DTensor describing bytes
+    it does not hold. The sender's ``rank`` is not compared (it is not part of
+    the spec's identity).
+    """
+    # No DTensor can exist before torch.distributed.tensor is imported; checking
+    # first keeps plain-tensor receivers from paying for that import.
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or type(like) is not getattr(module, "DTensor", None):
+        return False
+    obj = _encode_or_none(like._spec)
+    if obj is None:
+        return False
+    return _same_mesh(obj["mesh"], spec_obj["mesh"]) and all(
+        obj[key] == spec_obj[key] for key in _SPEC_KEYS - {"mesh"}
+    )
 
 
 def _encode_or_none(spec: Any) -> dict[str, Any] | None:
