@@ -104,6 +104,7 @@ class _Receiver:
         self.deadline = time.monotonic() + timeout
         self.xfer = random.getrandbits(63)
         self.stats = TransferStats(peer=address.endpoint, step=step)
+        self.parsed: _Header | None = None  # set once the header is validated
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IPV6, 1)
@@ -182,7 +183,8 @@ class _Receiver:
             raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
         specs = tree.decode_tensor_table(header.tensors, header.storages)
         paths = tree.index_skeleton(header.skeleton, len(specs), self.options.allow_pickle)
-        return _Header(header, specs, paths)
+        self.parsed = _Header(header, specs, paths)
+        return self.parsed
 
     def destinations(self, parsed: _Header, targets: Any) -> list[_Destination]:
         """Decide where each storage lands, refusing absurd sizes before allocating."""
@@ -252,10 +254,7 @@ class _Receiver:
             crc = message.get("crc")
             if header.checksum is not None:
                 if crc != zlib.crc32(payload):
-                    raise IntegrityError(
-                        f"checksum mismatch in data message {seq} (storages "
-                        f"{sorted({p.storage for p in pieces})}) from {self.address.endpoint}"
-                    )
+                    raise self._integrity_error(seq, pieces)
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < len(plan):
                 self.socket.send(wire.credit_request(self.xfer, unacknowledged))
@@ -268,6 +267,22 @@ class _Receiver:
         if message["op"] != wire.OP_END:
             raise ProtocolError(f"expected the end marker, got {message['op']!r}")
         self._expect_no_more("the end marker")
+
+    def _integrity_error(self, seq: int, pieces: list[wire.Piece]) -> IntegrityError:
+        """Name the storages and the tensors (key paths) a corrupted data message carried."""
+        hit = sorted({piece.storage for piece in pieces})
+        parsed = self.parsed
+        assert parsed is not None  # data only follows a validated header
+        names = [
+            tree.format_path(parsed.paths[index])
+            for index, spec in enumerate(parsed.specs)
+            if spec.storage in hit and index in parsed.paths
+        ]
+        more = " ..." if len(names) > 8 else ""
+        return IntegrityError(
+            f"checksum mismatch in data message {seq} from {self.address.endpoint} "
+            f"(step {self.step}): storages {hit}, tensors {', '.join(names[:8]) or 'none'}{more}"
+        )
 
     def cancel(self) -> None:
         try:
