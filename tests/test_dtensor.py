@@ -294,6 +294,29 @@ def test_transport_in_place(pg: None, transports: Callable[..., ZMQTransport[Any
     assert got["w"]._spec == dt._spec
 
 
+def test_in_place_needs_matching_spec(pg: None, transports: Callable[..., ZMQTransport[Any]]) -> None:
+    """A shard never lands in a DTensor (or plain tensor) that would misdescribe it."""
+    dt = real_dtensor((1, 1), ("dp", "tp"), [Shard(0), Shard(1)], False)
+    other_placement = DTensor.from_local(
+        torch.zeros_like(dt.to_local()), dt.device_mesh, [Replicate(), Replicate()], run_check=False
+    )
+    plain = torch.zeros_like(dt.to_local())
+    target = {"w": other_placement, "p": plain, "t": other_placement}
+    receiver = transports(state_dict=lambda: target)
+    sender = transports()
+    sender.send_checkpoint([1], 1, {"w": dt, "p": dt.to_local().clone() + 1, "t": torch.ones(3, 4)}, TIMEOUT)
+    try:
+        got = receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+    finally:
+        sender.disallow_checkpoint()
+    assert not other_placement.to_local().any()  # wrong placements: not written
+    assert got["w"]._spec == dt._spec and torch.equal(got["w"].to_local(), dt.to_local())
+    assert got["p"] is plain and torch.equal(plain, dt.to_local() + 1)  # plain into plain: in place
+    assert torch.equal(got["t"], torch.ones(3, 4)) and type(got["t"]) is torch.Tensor
+    stats = receiver.last_recv_stats
+    assert stats is not None and stats.in_place_bytes == plain.nbytes
+
+
 # ----------------------------------------------------------------------------- refusals
 
 

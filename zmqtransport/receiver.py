@@ -75,7 +75,8 @@ class _Header:
     header: wire.Header
     specs: list[tree.TensorSpec]
     paths: dict[int, tree.KeyPath]
-    dtensor_tensors: set[int] = field(default_factory=set)
+    dtensor_specs: dict[int, Any] = field(default_factory=dict)  # local tensor index -> spec
+    target_leaves: dict[tree.KeyPath, Any] = field(default_factory=dict)  # in-place targets
 
 
 def default_max_bytes() -> int:
@@ -182,8 +183,9 @@ class _Receiver:
         if header.step != self.step:
             raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
         specs = tree.decode_tensor_table(header.tensors, header.storages)
-        paths = tree.index_skeleton(header.skeleton, len(specs), self.options.allow_pickle)
-        self.parsed = _Header(header, specs, paths)
+        dtensor_specs: dict[int, Any] = {}
+        paths = tree.index_skeleton(header.skeleton, len(specs), self.options.allow_pickle, dtensor_specs)
+        self.parsed = _Header(header, specs, paths, dtensor_specs)
         return self.parsed
 
     def destinations(self, parsed: _Header, targets: Any) -> list[_Destination]:
@@ -193,6 +195,7 @@ class _Receiver:
         for index, spec in enumerate(specs):
             users.setdefault(spec.storage, []).append(index)
         leaves = dict(tree.iter_tensor_leaves(targets)) if targets is not None else {}
+        parsed.target_leaves = leaves
         chosen: dict[int, Any] = {}
         for storage, nbytes in enumerate(header.storages):
             tensor_indices = users.get(storage, [])
@@ -202,8 +205,17 @@ class _Receiver:
             spec = specs[index]
             target = leaves.get(parsed.paths[index])
             local = _local_tensor(target)
-            if local is not None and _fits(local, spec, nbytes):
-                chosen[storage] = target
+            if local is None or not _fits(local, spec, nbytes):
+                continue
+            # A DTensor shard goes only into a DTensor with the same spec: other
+            # placements or another mesh would describe bytes it does not hold.
+            dtensor_spec = parsed.dtensor_specs.get(index)
+            if dtensor_spec is not None or local is not target:
+                from . import dtensor_codec
+
+                if dtensor_spec is None or not dtensor_codec.spec_matches(target, dtensor_spec):
+                    continue
+            chosen[storage] = target
         fresh_bytes = sum(n for i, n in enumerate(header.storages) if i not in chosen)
         limit = self.options.max_bytes if self.options.max_bytes is not None else default_max_bytes()
         if fresh_bytes > limit:
@@ -349,9 +361,10 @@ def _build(parsed: _Header, destinations: list[_Destination]) -> Any:
     def make_dtensor(index: int, spec_obj: Any, requires_grad: bool) -> Any:
         from . import dtensor_codec
 
-        destination = destinations[parsed.specs[index].storage]
-        target = destination.in_place
-        return dtensor_codec.make_dtensor(plain(index), spec_obj, requires_grad, like=target)
+        # The caller's DTensor at this path, even when its bytes were not a
+        # match: its live mesh is still worth reusing when the specs agree.
+        like = parsed.target_leaves.get(parsed.paths[index])
+        return dtensor_codec.make_dtensor(plain(index), spec_obj, requires_grad, like=like)
 
     return tree.build_tree(parsed.header.skeleton, leaf, make_dtensor)
 

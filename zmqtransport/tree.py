@@ -303,11 +303,18 @@ def decode_tensor_table(entries: Any, storage_nbytes: list[int]) -> list[TensorS
     return specs
 
 
-def index_skeleton(skeleton: Any, n_tensors: int, allow_pickle: bool) -> dict[int, KeyPath]:
+def index_skeleton(
+    skeleton: Any,
+    n_tensors: int,
+    allow_pickle: bool,
+    dtensor_specs: dict[int, Any] | None = None,
+) -> dict[int, KeyPath]:
     """Validate every node of a received skeleton; return the key path of each tensor index.
 
     Raises :class:`ProtocolError` for anything malformed, and for a pickled leaf
-    unless ``allow_pickle``. Each tensor index must be used exactly once.
+    unless ``allow_pickle``. Each tensor index must be used exactly once. When
+    ``dtensor_specs`` is given, it is filled with the (validated) encoded spec of
+    each DTensor, by the index of its local tensor.
     """
     paths: dict[int, KeyPath] = {}
 
@@ -363,6 +370,8 @@ def index_skeleton(skeleton: Any, n_tensors: int, allow_pickle: bool) -> dict[in
             from . import dtensor_codec
 
             dtensor_codec.validate_spec(args[1], path)
+            if dtensor_specs is not None:
+                dtensor_specs[args[0]] = args[1]
             return (TAG_DTENSOR, args[0])
         if tag == TAG_BIGINT and len(args) == 1 and isinstance(args[0], str):
             # Python refuses to parse more than 4300 digits (CPython's default
