@@ -8,7 +8,7 @@
     zmqtransport bench [ARGS...]                    the benchmark (python -m zmqtransport.bench)
 
 Output conventions: results go to stdout (``serve`` prints only its metadata
-string there, so ``META=$(zmqtransport serve ... | head -n1)`` works); progress
+string there, and ``--metadata-file`` writes it to a file for scripts); progress
 and notes go to stderr, as a progress bar when stderr is a terminal and tqdm is
 installed, as timestamped log lines otherwise. Every failure is one line on
 stderr and a non-zero exit status; ``--debug`` shows the traceback instead.
@@ -317,6 +317,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         advertise_host=args.advertise_host,
         checksum=args.checksum,
     )
+    metadata_file = Path(args.metadata_file) if args.metadata_file else None
+    wrote_metadata = False
     try:
         try:
             transport.send_checkpoint([], args.step, state, timeout)
@@ -325,8 +327,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metadata = transport.metadata()
         served = transport.sent_since(0)[0]
         with _StopSignal() as stop:
-            if args.metadata_file:
-                _write_text_atomic(Path(args.metadata_file), metadata + "\n")
+            if metadata_file is not None:
+                _write_text_atomic(metadata_file, metadata + "\n")
+                wrote_metadata = True
             # stdout carries the metadata alone, for scripts; the rest goes to stderr.
             print(metadata, flush=True)
             print(
@@ -335,7 +338,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            while not stop.event.wait(0.2):
+            stopping = False
+            while not stopping:
+                # One more look after the signal: a transfer that finished just
+                # before it is still reported.
+                stopping = stop.event.wait(0.2)
                 served, finished = transport.sent_since(served)
                 for stats in finished:
                     print(
@@ -349,8 +356,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         transport.disallow_checkpoint()
         transport.shutdown()
-        if args.metadata_file:
-            Path(args.metadata_file).unlink(missing_ok=True)
+        if metadata_file is not None and wrote_metadata:
+            # A stale metadata file would send the next reader to a dead port.
+            metadata_file.unlink(missing_ok=True)
     return EXIT_OK
 
 
