@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from . import buffers, tree, wire
+from .device import CPU, DeviceStaging, RecvUnstager, can_fill, fresh_storage, landing_bytes
 from .errors import IntegrityError, ProtocolError, RemoteError
 from .net import PeerAddress
 
@@ -59,6 +60,8 @@ class FetchOptions:
     max_bytes: int | None = None  # refuse headers claiming more fresh memory than this
     progress: ProgressCallback | None = None
     configure: Callable[[zmq.Socket[Any]], None] | None = None  # security options
+    device: torch.device = CPU  # where fresh (not in-place) tensors are allocated
+    staging: DeviceStaging = field(default_factory=DeviceStaging)  # pinned bounce buffers
 
 
 @dataclass
@@ -68,6 +71,8 @@ class _Destination:
     view: memoryview
     fresh: torch.Tensor | None  # the uint8 storage tensor when freshly allocated
     in_place: Any = None  # the caller's tensor (or DTensor) receiving the bytes
+    # Device memory (flat uint8), filled through pinned bounce buffers; view is then empty.
+    device_bytes: torch.Tensor | None = None
 
 
 @dataclass
@@ -222,10 +227,14 @@ class _Receiver:
             raise ProtocolError(
                 f"the peer announced {fresh_bytes} bytes of tensors, more than the limit of {limit}"
             )
+        staged = self._staged_destinations(header, chosen)
         result: list[_Destination] = []
         for storage, nbytes in enumerate(header.storages):
             target = chosen.get(storage)
-            if target is not None:
+            landing = staged.get(storage)
+            if landing is not None:
+                result.append(landing)
+            elif target is not None:
                 local = _local_tensor(target)
                 assert local is not None
                 result.append(_Destination(buffers.tensor_view(local), None, target))
@@ -234,7 +243,27 @@ class _Receiver:
                 result.append(_Destination(buffers.tensor_view(fresh), fresh))
         return result
 
-    def receive_data(self, header: wire.Header, destinations: list[_Destination]) -> None:
+    def _staged_destinations(self, header: wire.Header, chosen: dict[int, Any]) -> dict[int, _Destination]:
+        """Destinations in device memory (in place, or fresh on ``options.device``), by storage."""
+        staging = self.options.staging
+        fresh_staged = staging.stages(self.options.device)
+        staged: dict[int, _Destination] = {}
+        for storage, nbytes in enumerate(header.storages):
+            target = chosen.get(storage)
+            if target is not None:
+                local = _local_tensor(target)
+                assert local is not None
+                flat = landing_bytes(local, staging)
+                if flat is not None:
+                    staged[storage] = _Destination(memoryview(b""), None, target, flat)
+            elif fresh_staged:
+                fresh = fresh_storage(nbytes, self.options.device)
+                staged[storage] = _Destination(memoryview(b""), fresh, None, fresh)
+        return staged
+
+    def receive_data(
+        self, header: wire.Header, destinations: list[_Destination], unstager: RecvUnstager | None = None
+    ) -> None:
         plan = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
         total = header.total_bytes
         done = 0
@@ -246,13 +275,21 @@ class _Receiver:
             if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
                 raise ProtocolError(f"expected data message {seq}, got {message.get('op')!r} {message.get('seq')!r}")
             expected = wire.chunk_length(pieces)
-            if len(pieces) == 1:
+            bounced = unstager is not None and unstager.wants(pieces)
+            if unstager is not None and bounced:
+                # Device memory: into a pinned bounce buffer; its copies to the
+                # device are queued after the checksum and overlap the next frames.
+                payload: Any = unstager.buffer(expected)
+                received = self.socket.recv_into(payload)
+                if received != expected:
+                    raise ProtocolError(f"data message {seq} has {received} bytes, expected {expected}")
+            elif len(pieces) == 1:
                 piece = pieces[0]
                 target = destinations[piece.storage].view[piece.start : piece.start + piece.length]
                 received = self.socket.recv_into(target)
                 if received != expected:
                     raise ProtocolError(f"data message {seq} has {received} bytes, expected {expected}")
-                payload: Any = target
+                payload = target
             else:
                 frame = self.socket.recv(copy=False)
                 payload = frame.buffer
@@ -267,6 +304,8 @@ class _Receiver:
             if header.checksum is not None:
                 if crc != zlib.crc32(payload):
                     raise self._integrity_error(seq, pieces)
+            if unstager is not None and bounced:
+                unstager.deliver(pieces)
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < len(plan):
                 self.socket.send(wire.credit_request(self.xfer, unacknowledged))
@@ -319,7 +358,7 @@ def _fits(target: torch.Tensor, spec: tree.TensorSpec, storage_nbytes: int) -> b
     return (
         target.dtype == spec.dtype
         and tuple(target.shape) == spec.shape
-        and target.device.type == "cpu"
+        and can_fill(target.device)
         and target.is_contiguous()
         and not target.is_conj()
         and not target.is_neg()
@@ -338,7 +377,7 @@ def _build(parsed: _Header, destinations: list[_Destination]) -> Any:
         if destination.in_place is not None:
             return _local_tensor(destination.in_place)  # type: ignore[return-value]
         assert destination.fresh is not None
-        tensor = torch.empty(0, dtype=spec.dtype).set_(
+        tensor = torch.empty(0, dtype=spec.dtype, device=destination.fresh.device).set_(
             destination.fresh.untyped_storage(), spec.offset, spec.shape, spec.stride
         )
         if spec.is_param:
@@ -386,7 +425,14 @@ def fetch(
         parsed = receiver.receive_header()
         receiver.stats.header_seconds = time.monotonic() - started
         destinations = receiver.destinations(parsed, targets)
-        receiver.receive_data(parsed.header, destinations)
+        unstager = RecvUnstager.borrow(options.staging, destinations)
+        try:
+            receiver.receive_data(parsed.header, destinations, unstager)
+        finally:
+            if unstager is not None:
+                # Every copy to the device has landed (or, on error, stopped)
+                # before this returns or raises.
+                unstager.close()
         result = _build(parsed, destinations)
     except BaseException:
         receiver.cancel()

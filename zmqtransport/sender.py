@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from . import wire
+from .device import DeviceStaging, SendPlan, SendStager
 from .errors import ProtocolError
 from .receiver import TransferStats
 from .tree import EncodedTree
@@ -45,6 +46,7 @@ _MAX_TRANSFERS_PER_PEER = 4
 _MAX_TRANSFERS = 64
 _MAX_PENDING = 256
 _BATCH = 64  # data messages per pump round before the poller is checked again
+_STAGING_WAIT = 0.002  # seconds the pump waits for a device copy before polling again
 _SENT_HISTORY = 256  # finished sends remembered for sent_since()
 
 
@@ -58,6 +60,7 @@ class Staged:
     plan: list[list[wire.Piece]]
     checksum: str | None
     crcs: list[int | None] = field(default_factory=list)
+    device_plan: SendPlan | None = None  # device memory to stage (None: host memory only)
 
     @property
     def total_bytes(self) -> int:
@@ -127,6 +130,8 @@ class Server:
         port: int,
         timeout: float,
         configure: Any = None,
+        *,
+        staging: DeviceStaging | None = None,
     ) -> None:
         self._context = context
         self._timeout = timeout
@@ -151,6 +156,9 @@ class Server:
         self._transfers: dict[tuple[bytes, int], Transfer] = {}
         self._pending: list[Pending] = []
         self._trackers: list[zmq.MessageTracker] = []
+        # Device memory goes out through the stager's pinned ring; the serving
+        # thread alone uses it, its side streams included (device.py).
+        self._stager = SendStager(staging if staging is not None else DeviceStaging())
         self._disallows: list[_Disallow] = []
         # Finished sends (newest last, bounded) and how many there were in all.
         # Written by the serving thread, read by any: the lock keeps the pair consistent.
@@ -283,6 +291,10 @@ class Server:
         self._staged = None
         for transfer in list(self._transfers.values()):
             self._abort(transfer, wire.ERR_DISALLOWED, f"step {transfer.staged.step} is no longer served")
+        # Device tensors must not be read once disallow returns: drop every lane
+        # and wait for the copies already issued (a few chunks at most).
+        self._stager.retain(())
+        self._stager.synchronize()
         self._disallows.append(_Disallow(time.monotonic() + self._timeout, done))
 
     def _read_requests(self) -> None:
@@ -361,14 +373,36 @@ class Server:
             ready = [t for t in self._transfers.values() if t.credit > 0 and not t.done]
             if not ready:
                 return
+            waiting = 0
             for transfer in ready:
+                if not self._chunk_ready(transfer):
+                    waiting += 1
+                    continue
                 self._send_chunk(transfer)
                 sent += 1
+            if waiting == len(ready):
+                # Every transfer waits for a device copy or a free staging
+                # buffer: wait briefly for one rather than spin through the poller.
+                self._stager.wait(_STAGING_WAIT)
+                return
+
+    def _chunk_ready(self, transfer: Transfer) -> bool:
+        """Whether the next message can go out; for device memory, issues copies ahead of it."""
+        plan = transfer.staged.device_plan
+        if plan is None:
+            return True
+        key = (transfer.peer, transfer.xfer)
+        return self._stager.ready(key, plan, transfer.next_seq, transfer.credit)
 
     def _send_chunk(self, transfer: Transfer) -> None:
         staged = transfer.staged
         seq = transfer.next_seq
-        payload, references_tensor = staged.payload(seq)
+        key = (transfer.peer, transfer.xfer)
+        staged_view = self._stager.take(key, seq) if staged.device_plan is not None else None
+        if staged_view is not None:
+            payload, references_tensor = staged_view, True  # a pinned staging buffer
+        else:
+            payload, references_tensor = staged.payload(seq)
         envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload))
         try:
             self._router.send(transfer.peer, zmq.SNDMORE | zmq.NOBLOCK)
@@ -381,6 +415,8 @@ class Server:
             return
         if references_tensor and tracker is not None:
             self._trackers.append(tracker)
+        if staged_view is not None:
+            self._stager.sent(key, seq, tracker)  # the buffer is reused once libzmq lets go
         transfer.next_seq += 1
         transfer.credit -= 1
         if transfer.done:
@@ -440,6 +476,7 @@ class Server:
         for transfer in list(self._transfers.values()):
             if transfer.credit == 0 and now - transfer.last_progress > self._timeout:
                 self._abort(transfer, wire.ERR_STALLED, f"receiver granted no credit for {self._timeout:.1f} s")
+        self._stager.retain(self._transfers)
         if self._trackers:
             self._trackers = [t for t in self._trackers if not t.done]
         if not self._disallows:
@@ -490,6 +527,10 @@ class Server:
                 tracker.wait(5.0)
             except zmq.NotDone:
                 break
+        try:
+            self._stager.close()  # no device copy may outlive the thread
+        except Exception:
+            logger.exception("zmqtransport: synchronising device copies at shutdown failed")
         for disallow in self._disallows:
             disallow.done.set()
         self._staged = None

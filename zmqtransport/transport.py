@@ -19,10 +19,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import zmq
 
 from . import tree, wire
 from .contract import CheckpointTransport, register_with_torchft
+from .device import DeviceStaging, fresh_device, prepare_send
 from .net import PeerAddress, choose_advertise_host, parse_metadata
 from .receiver import FetchOptions, ProgressCallback, TransferStats, fetch, fetch_header
 from .sender import Server, Staged
@@ -60,13 +62,22 @@ class ZMQTransport(CheckpointTransport[T]):
             pickle can run arbitrary code. Both sides must opt in.
         state_dict: a callable returning the receiver's current structure; when
             set, ``recv_checkpoint`` writes each tensor into the tensor at the
-            same key path when dtype, shape and device match. A failed receive
-            may leave those targets partly written (the error is still raised).
+            same key path when dtype and shape match and that tensor is a
+            contiguous CPU or CUDA tensor (CUDA ones are filled through pinned
+            bounce buffers, docs/cuda.md). A failed receive may leave those
+            targets partly written (the error is still raised).
         checksum: when sending, attach a CRC32 to every data frame; receivers
             always verify checksums a sender attached.
         max_recv_bytes: refuse a header announcing more fresh memory than this
             (default: physical memory).
         io_threads: ZeroMQ I/O threads of this transport's context.
+        device: where ``recv_checkpoint`` allocates tensors that are not
+            received in place: ``"cpu"`` (default, as torchft's other
+            transports) or a CUDA device such as ``"cuda"`` / ``"cuda:1"``
+            (``ValueError`` when this torch has no CUDA). Sending needs no
+            option: CUDA tensors are staged through pinned memory (docs/cuda.md).
+        staging: pinned staging buffers and look-ahead for CUDA memory
+            (:class:`zmqtransport.device.DeviceStaging`; defaults suit most uses).
         progress: ``callback(bytes_done, bytes_total)`` called while receiving.
 
     After each receive, :attr:`last_recv_stats` describes it; :attr:`last_send_stats`
@@ -88,6 +99,8 @@ class ZMQTransport(CheckpointTransport[T]):
         checksum: bool = False,
         max_recv_bytes: int | None = None,
         io_threads: int = 1,
+        device: str | torch.device = "cpu",
+        staging: DeviceStaging | None = None,
         progress: ProgressCallback | None = None,
     ) -> None:
         if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
@@ -105,11 +118,14 @@ class ZMQTransport(CheckpointTransport[T]):
         self._fetch_options = FetchOptions(
             allow_pickle=allow_pickle, window=window, max_bytes=max_recv_bytes, progress=progress
         )
+        self._staging = staging if staging is not None else DeviceStaging()
+        self._fetch_options.device = fresh_device(device)  # before any socket exists
+        self._fetch_options.staging = self._staging
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
         try:
-            self._server = Server(self._context, bind_host, port, timeout.total_seconds())
+            self._server = Server(self._context, bind_host, port, timeout.total_seconds(), staging=self._staging)
         except BaseException:
             self._context.term()
             raise
@@ -155,7 +171,10 @@ class ZMQTransport(CheckpointTransport[T]):
             }
         )
         plan = wire.plan_chunks(storages, self._chunk_bytes, self._pack_below)
-        staged = Staged(step, body, encoded, plan, self._checksum, [None] * len(plan))
+        # CUDA storages are not copied here: the serving thread stages them
+        # through pinned buffers; this only notes where the caller's stream is.
+        device_plan = prepare_send(encoded, plan, self._staging)
+        staged = Staged(step, body, encoded, plan, self._checksum, [None] * len(plan), device_plan=device_plan)
         self._server.stage(staged)
 
     def disallow_checkpoint(self) -> None:

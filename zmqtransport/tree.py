@@ -94,9 +94,14 @@ class StorageRef:
     ptr: int
     nbytes: int
     owner: Any  # the tensor (or staged CPU copy) whose lifetime covers ptr
+    # Set for device (CUDA) memory, which the serving thread stages through
+    # pinned buffers (device.py); ptr is then 0 and view() must not be used.
+    device: torch.device | None = None
 
     def view(self, start: int = 0, stop: int | None = None) -> memoryview:
         """A zero-copy memoryview of ``[start, stop)``; valid while ``owner`` lives."""
+        if self.device is not None:
+            raise RuntimeError(f"storage on {self.device} has no host view; it is staged")
         stop = self.nbytes if stop is None else stop
         if stop <= start:
             return memoryview(b"")
@@ -142,7 +147,13 @@ class _Encoder:
         index = self._storage_index.get(key)
         if index is None:
             owner: Any = tensor
-            if tensor.device.type != "cpu":
+            device: torch.device | None = None
+            if tensor.device.type == "cuda":
+                # Not copied here: the serving thread stages it chunk by chunk
+                # through pinned buffers (device.py), so send_checkpoint stays
+                # prompt and no host copy of the whole state is ever made.
+                device = tensor.device
+            elif tensor.device.type != "cpu":
                 # Staged once per send: the device memory may change after
                 # send_checkpoint returns only if the caller breaks the contract,
                 # and a host copy is what the frames can reference.
@@ -150,7 +161,8 @@ class _Encoder:
                 owner = storage
             index = len(self.out.storages)
             self._storage_index[key] = index
-            self.out.storages.append(StorageRef(storage.data_ptr(), storage.nbytes(), owner))
+            ptr = storage.data_ptr() if device is None else 0
+            self.out.storages.append(StorageRef(ptr, storage.nbytes(), owner, device))
         entry = [
             index,
             dtype_name(tensor.dtype),
