@@ -11,8 +11,9 @@
 # Environment:
 #   PYTHON      interpreter to use (default: python3). On the GPU machine it must
 #               already have a CUDA build of torch: this script never installs or
-#               pins torch (the repository's constraints.txt pins the CPU wheel for
-#               CI; it is not used here).
+#               replaces torch (pip runs with a constraint pinning the installed
+#               version; the repository's constraints.txt, which pins the CPU wheel
+#               for CI, is not used here).
 #   WHEELHOUSE  a directory of wheels (pyzmq, msgpack, pytest, torchft) to install
 #               from when the machine has no network; otherwise pip's index is used
 #               for whatever is missing. torchft is optional: without it the
@@ -45,8 +46,9 @@ fail() { say "FAILED: $*"; exit 1; }
 have() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
 
 pip_install() {
-  # Only the named packages, never their dependencies: torch stays as it is.
-  local args=(-m pip install --quiet --no-deps --disable-pip-version-check)
+  # With a constraint pinning the torch already installed: whatever the
+  # packages require, pip may not replace this machine's CUDA build of torch.
+  local args=(-m pip install --quiet --disable-pip-version-check --constraint "$LOG/keep-torch.txt")
   if [[ -n "${WHEELHOUSE:-}" ]]; then args+=(--no-index --find-links "$WHEELHOUSE"); fi
   timeout 90 "$PYTHON" "${args[@]}" "$@"
 }
@@ -58,6 +60,7 @@ if [[ $MODE == gpu ]]; then
 import sys, torch
 sys.exit(0 if torch.cuda.is_available() else 1)
 EOF
+  "$PYTHON" -c 'import torch; print(f"torch=={torch.__version__}")' >"$LOG/keep-torch.txt"
   for module in zmq:pyzmq msgpack:msgpack pytest:pytest; do
     have "${module%%:*}" || { say "installing ${module#*:}"; pip_install "${module#*:}" || fail "cannot install ${module#*:}"; }
   done
