@@ -115,6 +115,10 @@ class _Receiver:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IPV6, 1)
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+        # An explicit routing id survives a reconnect, so a sender that had to
+        # rebuild its ROUTER (forced release of a stalled receiver) can still
+        # answer a request it parked before. Ids must not start with a zero byte.
+        self.socket.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
         if options.configure is not None:
             options.configure(self.socket)
 

@@ -46,6 +46,9 @@ _MAX_TRANSFERS_PER_PEER = 4
 _MAX_TRANSFERS = 64
 _MAX_PENDING = 256
 _BATCH = 64  # data messages per pump round before the poller is checked again
+# After a forced rebind, how long a parked request whose receiver has not
+# reconnected yet is kept for another try (DEALERs reconnect every 100 ms).
+_REBIND_GRACE = 5.0
 _STAGING_WAIT = 0.002  # seconds the pump waits for a device copy before polling again
 _SENT_HISTORY = 256  # finished sends remembered for sent_since()
 
@@ -155,6 +158,7 @@ class Server:
         self._staged: Staged | None = None
         self._transfers: dict[tuple[bytes, int], Transfer] = {}
         self._pending: list[Pending] = []
+        self._rebound_at = float("-inf")  # when _rebind last replaced the socket
         self._trackers: list[zmq.MessageTracker] = []
         # Device memory goes out through the stager's pinned ring; the serving
         # thread alone uses it, its side streams included (device.py).
@@ -254,6 +258,8 @@ class Server:
             return 0
         if self._disallows:
             return 5
+        if self._staged is not None and self._pending:
+            return 20  # re-parked requests after a rebind: retry soon
         deadlines = [p.deadline for p in self._pending]
         deadlines += [t.last_progress + self._timeout for t in self._transfers.values()]
         if not deadlines:
@@ -285,7 +291,7 @@ class Server:
         self._staged = staged
         waiting, self._pending = self._pending, []
         for pending in waiting:
-            self._start(pending.peer, pending.request, pending.address)
+            self._start(pending.peer, pending.request, pending.address, parked=pending)
 
     def _on_disallow(self, done: threading.Event) -> None:
         self._staged = None
@@ -341,7 +347,9 @@ class Server:
             return
         self._start(peer, request, address)
 
-    def _start(self, peer: bytes, request: wire.Request, address: str) -> None:
+    def _start(
+        self, peer: bytes, request: wire.Request, address: str, parked: Pending | None = None
+    ) -> None:
         staged = self._staged
         assert staged is not None
         if request.step != staged.step:
@@ -357,6 +365,10 @@ class Server:
             return
         envelope = wire.pack({"v": wire.PROTOCOL_VERSION, "op": wire.OP_HEADER, "id": request.xfer})
         if not self._send(peer, [envelope, staged.header_body]):
+            if parked is not None and time.monotonic() - self._rebound_at < _REBIND_GRACE:
+                # Parked before a forced rebind: its receiver (whose DEALER keeps
+                # its routing id) may not have reconnected yet. Try again soon.
+                self._pending.append(parked)
             return
         if request.header_only:
             self._send(peer, [wire.end_reply(request.xfer)])
@@ -466,6 +478,12 @@ class Server:
     def _housekeeping(self, poller: zmq.Poller) -> bool:
         """Expire waits and stalls, progress disallows. Returns True if the socket was rebuilt."""
         now = time.monotonic()
+        if self._staged is not None and self._pending:
+            # Only requests re-parked by _start after a forced rebind wait while
+            # a step is staged: retry them now that their peer may be back.
+            waiting, self._pending = self._pending, []
+            for pending in waiting:
+                self._start(pending.peer, pending.request, pending.address, parked=pending)
         if self._pending:
             expired = [p for p in self._pending if p.deadline <= now]
             if expired:
@@ -500,7 +518,11 @@ class Server:
             len(self._trackers),
             self._timeout,
         )
+        # Requests already read by libzmq but not yet by us would die with the
+        # socket: take them first (nothing is staged, so fetches are parked).
+        self._read_requests()
         self._router.close(linger=0)
+        self._rebound_at = time.monotonic()
         deadline = time.monotonic() + 10.0
         while True:
             router = self._make_router()
