@@ -19,6 +19,7 @@ queued frame) and bound again on the same port.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -77,9 +78,14 @@ class Staged:
             piece = pieces[0]
             return storages[piece.storage].view(piece.start, piece.start + piece.length), True
         buffer = bytearray(wire.chunk_length(pieces))
-        at = 0
+        # One memmove per small storage, straight between addresses: building a
+        # memoryview per piece cost ~3 us each, 60 ms for 20,480 tensors of 4 KiB.
+        at = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
         for piece in pieces:
-            buffer[at : at + piece.length] = storages[piece.storage].view(0, piece.length)
+            ref = storages[piece.storage]
+            if not ref.ptr:  # device memory goes through the stager, never through here
+                raise RuntimeError(f"storage {piece.storage} has no host memory to pack")
+            ctypes.memmove(at, ref.ptr + piece.start, piece.length)
             at += piece.length
         return buffer, False
 

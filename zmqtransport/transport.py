@@ -26,7 +26,7 @@ from . import tree, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device, prepare_send
 from .net import PeerAddress, choose_advertise_host, parse_metadata
-from .receiver import FetchOptions, ProgressCallback, TransferStats, fetch, fetch_header
+from .receiver import FetchOptions, ProgressCallback, TransferStats, fetch, fetch_header, paused_gc
 from .sender import Server, Staged
 
 T = TypeVar("T")
@@ -78,6 +78,12 @@ class ZMQTransport(CheckpointTransport[T]):
             option: CUDA tensors are staged through pinned memory (docs/cuda.md).
         staging: pinned staging buffers and look-ahead for CUDA memory
             (:class:`zmqtransport.device.DeviceStaging`; defaults suit most uses).
+        prefault_threads: threads that fault freshly allocated receive memory
+            in ahead of the data (0: let the copy take the page faults). See
+            docs/performance.md.
+        huge_pages: advise fresh receive storages of 2 MiB and more to use
+            transparent huge pages. Faster where huge pages are cheap; slower
+            on VMs whose host must back each one (docs/performance.md).
         progress: ``callback(bytes_done, bytes_total)`` called while receiving.
 
     After each receive, :attr:`last_recv_stats` describes it; :attr:`last_send_stats`
@@ -101,6 +107,8 @@ class ZMQTransport(CheckpointTransport[T]):
         io_threads: int = 1,
         device: str | torch.device = "cpu",
         staging: DeviceStaging | None = None,
+        prefault_threads: int = 2,
+        huge_pages: bool = False,
         progress: ProgressCallback | None = None,
     ) -> None:
         if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
@@ -116,7 +124,12 @@ class ZMQTransport(CheckpointTransport[T]):
         self._state_dict = state_dict
         self._checksum = "crc32" if checksum else None
         self._fetch_options = FetchOptions(
-            allow_pickle=allow_pickle, window=window, max_bytes=max_recv_bytes, progress=progress
+            allow_pickle=allow_pickle,
+            window=window,
+            max_bytes=max_recv_bytes,
+            progress=progress,
+            prefault_threads=prefault_threads,
+            huge_pages=huge_pages,
         )
         self._staging = staging if staging is not None else DeviceStaging()
         self._fetch_options.device = fresh_device(device)  # before any socket exists
@@ -148,7 +161,8 @@ class ZMQTransport(CheckpointTransport[T]):
         self._check_open()
         if type(step) is not int or not 0 <= step <= wire.MAX_STEP:
             raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
-        encoded = tree.encode_tree(state_dict, self._allow_pickle)
+        with paused_gc():  # see receiver.paused_gc: many tensors, no cycles
+            encoded = tree.encode_tree(state_dict, self._allow_pickle)
         storages = [ref.nbytes for ref in encoded.storages]
         header = wire.Header(
             step=step,
