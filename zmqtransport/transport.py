@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import zmq
 
-from . import tree, wire
+from . import security, tree, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device, prepare_send
 from .net import PeerAddress, choose_advertise_host, parse_metadata
@@ -85,6 +86,17 @@ class ZMQTransport(CheckpointTransport[T]):
             transparent huge pages. Faster where huge pages are cheap; slower
             on VMs whose host must back each one (docs/performance.md).
         progress: ``callback(bytes_done, bytes_total)`` called while receiving.
+        curve_secret: turn on CurveZMQ encryption and authentication with this
+            job secret (at least 16 bytes; default ``$ZMQTRANSPORT_CURVE_SECRET``).
+            Every rank given the same secret derives the same client key and
+            serves only that key; the server's public key travels in
+            :meth:`metadata`. See docs/security.md.
+        curve_allowed_clients: z85 client public keys this transport serves
+            (in addition to the one derived from ``curve_secret``).
+        curve_client_keypair: the ``(public, secret)`` z85 key pair this
+            transport presents when fetching, instead of the derived one.
+        curve_server_keypair: a fixed ``(public, secret)`` server key pair
+            instead of a fresh random one.
 
     After each receive, :attr:`last_recv_stats` describes it; :attr:`last_send_stats`
     and :meth:`sent_since` describe the transfers this transport served.
@@ -110,6 +122,10 @@ class ZMQTransport(CheckpointTransport[T]):
         prefault_threads: int = 2,
         huge_pages: bool = False,
         progress: ProgressCallback | None = None,
+        curve_secret: str | bytes | None = None,
+        curve_allowed_clients: Iterable[str | bytes] | None = None,
+        curve_client_keypair: security.KeyPair | tuple[bytes, bytes] | None = None,
+        curve_server_keypair: security.KeyPair | tuple[bytes, bytes] | None = None,
     ) -> None:
         if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [{wire.MIN_CHUNK_BYTES}, {wire.MAX_CHUNK_BYTES}]")
@@ -134,15 +150,38 @@ class ZMQTransport(CheckpointTransport[T]):
         self._staging = staging if staging is not None else DeviceStaging()
         self._fetch_options.device = fresh_device(device)  # before any socket exists
         self._fetch_options.staging = self._staging
+        # Resolved before any socket exists, so a bad key fails construction cleanly.
+        self._curve = security.CurveSettings.resolve(
+            curve_secret, curve_allowed_clients, curve_client_keypair, curve_server_keypair
+        )
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
+        self._zap: security.ZapHandler | None = None
+        params: dict[str, str] = {}
         try:
-            self._server = Server(self._context, bind_host, port, timeout.total_seconds(), staging=self._staging)
+            configure = None
+            if self._curve is not None:
+                # The ZAP handler must answer before the ROUTER accepts anyone;
+                # the Server applies `configure` again whenever it rebinds.
+                self._zap = security.ZapHandler(self._context, self._curve.allowed_clients)
+                configure = self._curve.configure_server
+                params[security.METADATA_KEY] = self._curve.server.public.decode("ascii")
+            self._server = Server(
+                self._context,
+                bind_host,
+                port,
+                timeout.total_seconds(),
+                configure=configure,
+                staging=self._staging,
+            )
         except BaseException:
+            if self._zap is not None:
+                self._zap.close()
             self._context.term()
             raise
-        self._address = PeerAddress(choose_advertise_host(bind_host, advertise_host), self._server.port)
+        host = choose_advertise_host(bind_host, advertise_host)
+        self._address = PeerAddress(host, self._server.port, params)
         self.last_recv_stats: TransferStats | None = None
 
     # ------------------------------------------------------------------ contract
@@ -213,7 +252,7 @@ class ZMQTransport(CheckpointTransport[T]):
             src_rank,
             step,
             timeout.total_seconds(),
-            self._fetch_options,
+            self._options_for(address),
             targets,
         )
         self.last_recv_stats = stats
@@ -235,7 +274,25 @@ class ZMQTransport(CheckpointTransport[T]):
     def fetch_header(self, metadata: str, step: int, timeout: timedelta) -> wire.Header:
         """What the peer serves for ``step`` (tensor table, sizes), without the data."""
         self._check_open()
-        return fetch_header(self._context, parse_metadata(metadata), step, timeout.total_seconds(), self._fetch_options)
+        address = parse_metadata(metadata)
+        options = self._options_for(address)
+        return fetch_header(self._context, address, step, timeout.total_seconds(), options)
+
+    def _options_for(self, address: PeerAddress) -> FetchOptions:
+        """Fetch options for one peer: CURVE needs that peer's server key on the DEALER.
+
+        Raises ``ValueError`` when the two sides disagree about CURVE: a transport
+        with CURVE on never fetches in the clear, one without it cannot fetch
+        from a CURVE peer.
+        """
+        server_key = address.params.get(security.METADATA_KEY)
+        if self._curve is None:
+            configure = security.client_configurator_without_settings(address.endpoint, server_key)
+        else:
+            configure = self._curve.client_configurator(address.endpoint, server_key)
+        if configure is None:
+            return self._fetch_options
+        return replace(self._fetch_options, configure=configure)
 
     def _in_place_targets(self) -> Any:
         """The structure to receive into, or None: a failing callable costs speed, not the heal."""
@@ -267,6 +324,8 @@ class ZMQTransport(CheckpointTransport[T]):
 
     def _close(self) -> None:
         self._server.stop(wait=True)
+        if self._zap is not None:
+            self._zap.close()
         self._context.term()
 
     def _check_open(self) -> None:
