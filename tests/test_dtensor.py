@@ -115,7 +115,7 @@ def test_codec_roundtrip_real_mesh(
 
 def test_zero_dim_mesh_like_torchft(pg: None) -> None:
     """torchft's own transport test: DeviceMesh("cpu", 1) with no placements."""
-    from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
+    from torch.distributed.tensor import distribute_tensor
 
     dt = distribute_tensor(torch.tensor([5, 6, 7]), DeviceMesh("cpu", 1), [])
     assert_same_dtensor(decode(dt), dt)

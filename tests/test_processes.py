@@ -17,7 +17,9 @@ def build_state(seed: int) -> dict[str, Any]:
     model = {f"layer{i}.weight": torch.randn(256, 257, generator=generator) for i in range(6)}
     model["tiny"] = torch.arange(7, dtype=torch.int16)
     optim = {
-        "state": {i: {"step": torch.tensor(float(seed)), "exp_avg": torch.randn(300, generator=generator)} for i in range(40)},
+        "state": {
+            i: {"step": torch.tensor(float(seed)), "exp_avg": torch.randn(300, generator=generator)} for i in range(40)
+        },
         "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(40))}],
     }
     return {"model": model, "optim": optim, "torchft": {"step": seed}}

@@ -43,7 +43,7 @@ def assert_same(got: Any, want: Any, path: str = "state") -> None:
             assert_same(got[key], want[key], f"{path}[{key!r}]")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), path
-        for i, (a, b) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert_same(a, b, f"{path}[{i}]")
     elif isinstance(want, float) and math.isnan(want):
         assert math.isnan(got), path
@@ -148,7 +148,7 @@ def test_unsupported_leaf_names_key_path(make_transport: Any) -> None:
     transport = make_transport()
     with pytest.raises(TypeError, match=r"state\['optim'\]\[0\]\['fn'\].*allow_pickle"):
         transport.send_checkpoint([1], 1, {"optim": [{"fn": object()}]}, TIMEOUT)
-    with pytest.raises(TypeError, match="sparse|Sparse"):
+    with pytest.raises(TypeError, match=r"sparse|Sparse"):
         transport.send_checkpoint([1], 1, {"s": torch.eye(2).to_sparse()}, TIMEOUT)
 
 

@@ -164,7 +164,7 @@ def test_version_mismatch_is_clear_both_ways(make_transport: Any) -> None:
             future = pool.submit(receiver.recv_checkpoint, 0, f"tcp://127.0.0.1:{port}", 1, TIMEOUT)
             peer, _request = router.recv_multipart()
             router.send_multipart([peer, msgpack.packb({"v": 2, "op": "header", "id": 0})])
-            with pytest.raises(ProtocolError, match="version mismatch.*version 2"):
+            with pytest.raises(ProtocolError, match=r"version mismatch.*version 2"):
                 future.result()
 
 

@@ -107,7 +107,7 @@ class Progress:
     def __call__(self, done: int, total: int) -> None:
         if self.mode == "bar":
             if self._bar is None:
-                from tqdm import tqdm  # noqa: PLC0415 - optional dependency, needed only for a bar
+                from tqdm import tqdm  # optional dependency (the progress extra): only a bar needs it
 
                 size = shutil.get_terminal_size((100, 24))
                 # Decimal units so the bar's MB/s agrees with the GB/s of the summary.

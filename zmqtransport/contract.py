@@ -35,14 +35,14 @@ class CheckpointTransport(Generic[T], ABC):
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
         """Make ``state_dict`` at ``step`` available to ``dst_ranks``; may return early."""
 
-    def disallow_checkpoint(self) -> None:  # noqa: B027 - optional in torchft's contract too
+    def disallow_checkpoint(self) -> None:  # not abstract: optional in torchft's contract too
         """Stop serving; once this returns the state dict may be mutated."""
 
     @abstractmethod
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Receive ``step`` from the transport described by ``metadata``."""
 
-    def shutdown(self, wait: bool = True) -> None:  # noqa: B027 - optional in torchft's contract too
+    def shutdown(self, wait: bool = True) -> None:  # not abstract: optional in torchft's contract too
         """Release sockets and threads; ``wait=False`` returns at once."""
 
 

@@ -88,14 +88,14 @@ def _torch_api() -> SimpleNamespace:
     Lazy on purpose (see the module docstring): importing torch.distributed.tensor
     costs seconds, and only checkpoints holding DTensors need it.
     """
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed as dist
 
     if not dist.is_available():
         raise ProtocolError("this torch build has no torch.distributed; cannot rebuild a DTensor")
-    import torch.distributed.tensor._dtensor_spec as spec_mod  # noqa: PLC0415
-    import torch.distributed.tensor.placement_types as placement_mod  # noqa: PLC0415
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+    import torch.distributed.tensor._dtensor_spec as spec_mod
+    import torch.distributed.tensor.placement_types as placement_mod
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
     return SimpleNamespace(
         dist=dist,
@@ -548,7 +548,7 @@ def _rebuild_mesh(obj: dict[str, Any]) -> Any:
                 "(DeviceMesh asks the default group which slice holds this rank)"
             )
         try:
-            from torch.distributed._mesh_layout import (  # noqa: PLC0415
+            from torch.distributed._mesh_layout import (
                 _FlatLayout,
                 _MeshLayout,
             )

@@ -118,7 +118,7 @@ def choose_advertise_host(bind_host: str, override: str | None = None) -> str:
     for candidate in (override, os.environ.get(ADVERTISE_ENV)):
         if candidate:
             return candidate.strip("[]")
-    if bind_host not in ("*", "0.0.0.0", "::", ""):
+    if bind_host not in ("*", "0.0.0.0", "::", ""):  # noqa: S104 - recognising a wildcard, not binding one
         return bind_host.strip("[]")
     interface = _default_route_interface()
     address = _interface_ipv4(interface) if interface else None

@@ -157,7 +157,7 @@ class _Encoder:
                 # Staged once per send: the device memory may change after
                 # send_checkpoint returns only if the caller breaks the contract,
                 # and a host copy is what the frames can reference.
-                storage = storage.cpu()
+                storage = storage.cpu()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
                 owner = storage
             index = len(self.out.storages)
             self._storage_index[key] = index
@@ -461,9 +461,8 @@ def _namedtuple_class(module: str, qualname: str, fields: list[str]) -> type:
     for part in qualname.split("."):
         namespace = getattr(target, "__dict__", None)
         target = namespace.get(part) if isinstance(namespace, Mapping) else None
-    if isinstance(target, type) and issubclass(target, tuple):
-        if list(getattr(target, "_fields", ())) == fields:
-            return target
+    if isinstance(target, type) and issubclass(target, tuple) and list(getattr(target, "_fields", ())) == fields:
+        return target
     name = qualname.rsplit(".", 1)[-1]
     return _stand_in(name if _valid_field(name.lstrip("_")) else "Record", tuple(fields))
 
@@ -475,7 +474,7 @@ def _stand_in(name: str, fields: tuple[str, ...]) -> type:
     Cached: building a class costs an ``exec``, and a header may hold
     thousands of records of one type.
     """
-    return collections.namedtuple(name, fields)  # type: ignore[misc]
+    return collections.namedtuple(name, fields)
 
 
 def build_tree(

@@ -66,7 +66,7 @@ def unpack(frame: bytes | memoryview, limit: int) -> dict[str, Any]:
     try:
         # unpackb bounds every string, array and map by the frame's own length.
         value = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types for bad input
         raise ProtocolError(f"undecodable msgpack envelope: {exc}") from None
     if not isinstance(value, dict):
         raise ProtocolError(f"envelope must be a msgpack map, got {type(value).__name__}")
