@@ -67,9 +67,7 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 def serving() -> Iterator[tuple[ZMQTransport[Any], dict[str, Any]]]:
     """A loopback transport serving STEP (small chunks, so transfers take many messages)."""
     state = staged_state()
-    transport: ZMQTransport[Any] = ZMQTransport(
-        TIMEOUT, bind_host=LOOPBACK, chunk_bytes=64 * 1024, pack_below=4096
-    )
+    transport: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK, chunk_bytes=64 * 1024, pack_below=4096)
     transport.send_checkpoint([1], STEP, state, TIMEOUT)
     yield transport, state
     transport.shutdown()
@@ -82,9 +80,7 @@ def receiver() -> Iterator[ZMQTransport[Any]]:
     transport.shutdown()
 
 
-def assert_still_serves(
-    sender: ZMQTransport[Any], state: dict[str, Any], receiver: ZMQTransport[Any]
-) -> None:
+def assert_still_serves(sender: ZMQTransport[Any], state: dict[str, Any], receiver: ZMQTransport[Any]) -> None:
     assert sender._server.alive, "the serving thread died"
     got = receiver.recv_checkpoint(0, sender.metadata(), STEP, timedelta(seconds=10))
     assert_same(got, state)
@@ -95,15 +91,7 @@ def assert_still_serves(
 
 def zmtp_greeting(mechanism: bytes = b"NULL", major: int = 3) -> bytes:
     """A ZMTP 3.x greeting (64 bytes): signature, version, mechanism, as-server, filler."""
-    return (
-        b"\xff"
-        + b"\x00" * 8
-        + b"\x7f"
-        + bytes([major, 0])
-        + mechanism.ljust(20, b"\x00")
-        + b"\x00"
-        + b"\x00" * 31
-    )
+    return b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([major, 0]) + mechanism.ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
 
 
 def zmtp_ready(socket_type: bytes = b"DEALER") -> bytes:
@@ -347,9 +335,7 @@ def test_credit_and_cancel_for_unknown_transfers_are_ignored(
 
 def test_absurd_credit_and_wait_are_clamped() -> None:
     """credit 2**63-1 must not let the sender queue the whole checkpoint for one peer."""
-    sender: ZMQTransport[Any] = ZMQTransport(
-        TIMEOUT, bind_host=LOOPBACK, chunk_bytes=4096, pack_below=4096
-    )
+    sender: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK, chunk_bytes=4096, pack_below=4096)
     sender.send_checkpoint([1], STEP, staged_state(), TIMEOUT)
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
@@ -442,9 +428,7 @@ def test_flood_of_waiting_requests_is_bounded(receiver: ZMQTransport[Any]) -> No
         sender.shutdown()
 
 
-def test_other_socket_types(
-    serving: tuple[ZMQTransport[Any], dict[str, Any]], receiver: ZMQTransport[Any]
-) -> None:
+def test_other_socket_types(serving: tuple[ZMQTransport[Any], dict[str, Any]], receiver: ZMQTransport[Any]) -> None:
     """A REQ peer adds an empty delimiter frame: the request is answered as malformed
     (REQ itself then drops the reply, which lacks the delimiter). A PUB peer is
     refused by libzmq during the handshake. Neither disturbs serving."""
@@ -609,17 +593,13 @@ def _frames(*messages: Callable[[int], list[bytes]]) -> Script:
     """A script of the honest header followed by the given messages."""
 
     def script(xfer: int, step: int) -> list[list[bytes]]:
-        return [header_message(xfer, step, tensors=[ENTRY], storages=[400])] + [
-            make(xfer) for make in messages
-        ]
+        return [header_message(xfer, step, tensors=[ENTRY], storages=[400])] + [make(xfer) for make in messages]
 
     return script
 
 
 def _entry(**changes: Any) -> list[Any]:
-    fields = dict(
-        zip(["storage", "dtype", "shape", "stride", "offset", "grad", "param"], ENTRY, strict=True)
-    )
+    fields = dict(zip(["storage", "dtype", "shape", "stride", "offset", "grad", "param"], ENTRY, strict=True))
     fields.update(changes)
     return list(fields.values())
 
@@ -763,9 +743,7 @@ HOSTILE: dict[str, tuple[Script, type[Exception], str]] = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
-def test_hostile_sender(
-    name: str, fake: Callable[[Script], FakeSender], receiver: ZMQTransport[Any]
-) -> None:
+def test_hostile_sender(name: str, fake: Callable[[Script], FakeSender], receiver: ZMQTransport[Any]) -> None:
     script, error, fragment = HOSTILE[name]
     sender = fake(script)
     started = time.monotonic()
@@ -827,9 +805,7 @@ def test_max_recv_bytes_option_is_enforced(fake: Callable[[Script], FakeSender])
         small.shutdown()
 
 
-def test_too_many_storages_are_refused(
-    fake: Callable[[Script], FakeSender], receiver: ZMQTransport[Any]
-) -> None:
+def test_too_many_storages_are_refused(fake: Callable[[Script], FakeSender], receiver: ZMQTransport[Any]) -> None:
     """A million zero-byte storages claim no memory but would cost an allocation each."""
     count = wire.MAX_TENSORS + 1
     sender = fake(lambda xfer, step: [header_message(xfer, step, tensors=[], storages=[0] * count)])
@@ -847,9 +823,7 @@ def test_corrupted_frame_raises_integrity_error_naming_the_tensor(
         skeleton = ["d", [["weights", ["T", 0]], ["other", ["T", 1]]]]
         tensors = [ENTRY, [1, "int8", [4], [1], 0, False, False]]
         return [
-            header_message(
-                xfer, step, tensors=tensors, storages=[400, 4], skeleton=skeleton, checksum="crc32"
-            ),
+            header_message(xfer, step, tensors=tensors, storages=[400, 4], skeleton=skeleton, checksum="crc32"),
             data_message(xfer, 0, bytes(corrupted), crc=zlib.crc32(FLOAT_BYTES)),
             data_message(xfer, 1, b"\x01\x02\x03\x04", crc=zlib.crc32(b"\x01\x02\x03\x04")),
             [env(wire.OP_END, xfer)],
@@ -884,3 +858,14 @@ def test_pickled_leaf_from_a_peer_is_refused_by_default(
     with pytest.raises(ProtocolError, match="pickled object"):
         fetch_from(receiver, fake(script))
     assert not marker.exists(), "the peer's pickle ran"
+
+
+def test_sender_refuses_more_tensors_than_receivers_accept(
+    monkeypatch: pytest.MonkeyPatch, receiver: ZMQTransport[Any]
+) -> None:
+    """The cap receivers enforce is checked at send_checkpoint too, with a clear error,
+    instead of every receiver failing later (patched small: a million tensors is slow)."""
+    monkeypatch.setattr(wire, "MAX_TENSORS", 10)
+    with pytest.raises(ValueError, match="11 tensors; receivers accept at most 10"):
+        receiver.send_checkpoint([1], 1, [torch.zeros(1) for _ in range(11)], TIMEOUT)
+    receiver.send_checkpoint([1], 1, [torch.zeros(1) for _ in range(10)], TIMEOUT)

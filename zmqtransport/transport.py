@@ -202,6 +202,12 @@ class ZMQTransport(CheckpointTransport[T]):
             raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
         with paused_gc():  # see receiver.paused_gc: many tensors, no cycles
             encoded = tree.encode_tree(state_dict, self._allow_pickle)
+        if len(encoded.tensors) > wire.MAX_TENSORS:
+            # Receivers refuse such a header (wire.decode_header); say so here, once.
+            raise ValueError(
+                f"the state holds {len(encoded.tensors)} tensors; "
+                f"receivers accept at most {wire.MAX_TENSORS}"
+            )
         storages = [ref.nbytes for ref in encoded.storages]
         header = wire.Header(
             step=step,
