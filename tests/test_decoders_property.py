@@ -40,9 +40,7 @@ SCALARS = (
 )
 MSGPACK_VALUES = st.recursive(
     SCALARS,
-    lambda children: (
-        st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=6)
-    ),
+    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=6),
     max_leaves=40,
 )
 
@@ -82,9 +80,7 @@ def _node(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         st.tuples(st.just(tree.TAG_DTENSOR), st.integers(-1, 5), MSGPACK_VALUES, SCALARS).map(list),
         st.tuples(
             st.just(tree.TAG_BIGINT),
-            st.text(alphabet="0123456789-+_ x", max_size=20)
-            | st.integers(4000, 6000).map(lambda n: "7" * n)
-            | SCALARS,
+            st.text(alphabet="0123456789-+_ x", max_size=20) | st.integers(4000, 6000).map(lambda n: "7" * n) | SCALARS,
         ).map(list),
         st.tuples(
             st.just(tree.TAG_DTYPE),
@@ -93,8 +89,7 @@ def _node(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         st.tuples(st.just(tree.TAG_SIZE), MSGPACK_VALUES).map(list),
         st.tuples(
             st.just(tree.TAG_DEVICE),
-            st.sampled_from(["cpu", "cuda:1", "meta", "cuda:99999999999999999999", "x:y", "\x00"])
-            | SCALARS,
+            st.sampled_from(["cpu", "cuda:1", "meta", "cuda:99999999999999999999", "x:y", "\x00"]) | SCALARS,
         ).map(list),
         st.tuples(st.just(tree.TAG_PICKLE), SCALARS).map(list),
         # Any tag with any arguments: wrong arity, wrong types.
@@ -143,9 +138,7 @@ def _request_maps() -> st.SearchStrategy[bytes]:
         st.just(wire.PROTOCOL_VERSION),
         MSGPACK_VALUES,
     )
-    keys = st.sampled_from(
-        ["v", "op", "id", "step", "wait_ms", "credit", "n", "pickle", "header_only"]
-    )
+    keys = st.sampled_from(["v", "op", "id", "step", "wait_ms", "credit", "n", "pickle", "header_only"])
     maps = st.dictionaries(keys, value, max_size=9)
     return maps.map(lambda m: msgpack.packb(m, use_bin_type=True))
 
@@ -168,16 +161,13 @@ def test_decode_request_validates_or_raises_protocol_error(frame: bytes) -> None
 
 
 def _header_maps() -> st.SearchStrategy[Any]:
-    sizes = st.lists(
-        st.integers(-1, 2**20) | st.sampled_from([2**50, 2**50 + 1, 2**63]) | SCALARS, max_size=6
-    )
+    sizes = st.lists(st.integers(-1, 2**20) | st.sampled_from([2**50, 2**50 + 1, 2**63]) | SCALARS, max_size=6)
     field_values = {
         "step": st.integers(-(2**63), 2**64 - 1) | SCALARS,
         "skeleton": SKELETONS,
         "tensors": st.lists(MSGPACK_VALUES, max_size=4) | SCALARS,
         "storages": sizes | SCALARS,
-        "chunk_bytes": st.sampled_from([0, 4095, 4096, 1 << 20, 64 << 20, (64 << 20) + 1])
-        | SCALARS,
+        "chunk_bytes": st.sampled_from([0, 4095, 4096, 1 << 20, 64 << 20, (64 << 20) + 1]) | SCALARS,
         "pack_below": st.integers(-1, 1 << 21) | SCALARS,
         "checksum": st.sampled_from([None, "crc32", "md5"]) | SCALARS,
     }
@@ -232,18 +222,14 @@ def test_decode_tensor_table_yields_buildable_views(entries: Any, storages: list
         )
         assert tuple(view.shape) == spec.shape
         if view.numel() > 0:
-            last = spec.offset + sum(
-                (n - 1) * s for n, s in zip(spec.shape, spec.stride, strict=True)
-            )
+            last = spec.offset + sum((n - 1) * s for n, s in zip(spec.shape, spec.stride, strict=True))
             assert (last + 1) * spec.dtype.itemsize <= storages[spec.storage]
         assert math.prod(spec.shape) == view.numel()
 
 
 @PROPERTY
 @given(SKELETONS, st.integers(0, 4), st.booleans())
-def test_index_skeleton_accepts_only_buildable_trees(
-    skeleton: Any, n_tensors: int, allow_pickle: bool
-) -> None:
+def test_index_skeleton_accepts_only_buildable_trees(skeleton: Any, n_tensors: int, allow_pickle: bool) -> None:
     try:
         paths = tree.index_skeleton(skeleton, n_tensors, allow_pickle)
     except ProtocolError:
@@ -301,9 +287,7 @@ def test_known_leaks_stay_fixed() -> None:
             continue
         raise AssertionError(f"accepted {skeleton!r}")
     # A keyword as the class name is harmless: the stand-in is renamed.
-    record = tree.build_tree(
-        [tree.TAG_NAMEDTUPLE, "m", "def", ["a"], [1]], _stub_leaf, _stub_dtensor
-    )
+    record = tree.build_tree([tree.TAG_NAMEDTUPLE, "m", "def", ["a"], [1]], _stub_leaf, _stub_dtensor)
     assert tuple(record) == (1,)
     # Tuple keys keep their value in key paths (in-place receive matches them).
     paths = tree.index_skeleton(

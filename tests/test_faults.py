@@ -86,9 +86,7 @@ def _receive_then_die(metadata: str, step: int) -> None:
     def die(done: int, total: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    transport: ZMQTransport[Any] = ZMQTransport(
-        timedelta(seconds=30), bind_host=LOOPBACK, window=2, progress=die
-    )
+    transport: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=30), bind_host=LOOPBACK, window=2, progress=die)
     transport.recv_checkpoint(0, metadata, step, timedelta(seconds=30))
     raise AssertionError("the receiver survived its own SIGKILL")
 
@@ -160,9 +158,7 @@ def test_receiver_killed_mid_transfer(spawn: mp.context.SpawnContext) -> None:
         # Another receiver fetches the same step while the victim dies.
         results: queue.Queue[Any] = queue.Queue()
         other = threading.Thread(
-            target=lambda: results.put(
-                survivor.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=30))
-            )
+            target=lambda: results.put(survivor.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=30)))
         )
         other.start()
         victim.join(60)
@@ -224,9 +220,7 @@ def test_stalled_receiver_forces_release_and_the_port_is_reused(
         # Zero-copy: 64 MiB queued for the staller cost (almost) no memory.
         assert _rss() - baseline < 32 * 2**20
         # Others are still served while one receiver stalls.
-        assert_big_state(
-            receiver.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=30)), state
-        )
+        assert_big_state(receiver.recv_checkpoint(0, sender.metadata(), 1, timedelta(seconds=30)), state)
 
         started = time.monotonic()
         sender.disallow_checkpoint()
@@ -246,9 +240,7 @@ def test_stalled_receiver_forces_release_and_the_port_is_reused(
         assert sender.address.port == port
         with socket.create_connection((LOOPBACK, port), timeout=5):
             pass  # the same port accepts connections again
-        assert_big_state(
-            receiver.recv_checkpoint(0, sender.metadata(), 2, timedelta(seconds=30)), state
-        )
+        assert_big_state(receiver.recv_checkpoint(0, sender.metadata(), 2, timedelta(seconds=30)), state)
         sender.disallow_checkpoint()
         assert sender._server.alive
     finally:
@@ -403,9 +395,7 @@ def test_transports_made_and_shut_down_leak_nothing() -> None:
         a: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=5), bind_host=LOOPBACK)
         b: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=5), bind_host=LOOPBACK)
         a.send_checkpoint([1], 1, {"x": torch.ones(10)}, timedelta(seconds=5))
-        assert torch.equal(
-            b.recv_checkpoint(0, a.metadata(), 1, timedelta(seconds=5))["x"], torch.ones(10)
-        )
+        assert torch.equal(b.recv_checkpoint(0, a.metadata(), 1, timedelta(seconds=5))["x"], torch.ones(10))
         a.shutdown()
         b.shutdown()
 
@@ -445,12 +435,8 @@ def assert_varied(got: dict[str, Any], want: dict[str, Any]) -> None:
 @pytest.mark.parametrize("checksum", [False, True], ids=["plain", "crc32"])
 def test_eight_receivers_at_once_repeatedly(checksum: bool) -> None:
     timeout = timedelta(seconds=30)
-    sender: ZMQTransport[Any] = ZMQTransport(
-        timeout, bind_host=LOOPBACK, checksum=checksum, chunk_bytes=256 * 1024
-    )
-    receivers: list[ZMQTransport[Any]] = [
-        ZMQTransport(timeout, bind_host=LOOPBACK) for _ in range(8)
-    ]
+    sender: ZMQTransport[Any] = ZMQTransport(timeout, bind_host=LOOPBACK, checksum=checksum, chunk_bytes=256 * 1024)
+    receivers: list[ZMQTransport[Any]] = [ZMQTransport(timeout, bind_host=LOOPBACK) for _ in range(8)]
     try:
         for round_number in range(3):
             step = 100 + round_number
