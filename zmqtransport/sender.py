@@ -19,6 +19,7 @@ queued frame) and bound again on the same port.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -154,7 +155,7 @@ class Server:
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._router = self._make_router()
-        host = "*" if bind_host in ("", "*", "0.0.0.0", "::") else bind_host
+        host = "*" if bind_host in ("", "*", "0.0.0.0", "::") else bind_host  # noqa: S104 - normalising the wildcard
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         self._router.bind(f"tcp://{host}:{port or '*'}")
@@ -217,15 +218,13 @@ class Server:
         self._commands.put(command)
         with self._wake_lock:
             if not self._wake_closed:
-                try:
+                with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
                     os.write(self._wake_write, b"x")
-                except BlockingIOError:
-                    pass  # the pipe is full of wake-ups already
 
     # ------------------------------------------------------------------ serving thread
 
     def _make_router(self) -> zmq.Socket[Any]:
-        router = self._context.socket(zmq.ROUTER)
+        router: zmq.Socket[Any] = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # raise instead of dropping frames
         router.setsockopt(zmq.SNDHWM, _SNDHWM)
