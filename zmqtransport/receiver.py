@@ -329,9 +329,8 @@ class _Receiver:
                     at += piece.length
             self._expect_no_more(f"data message {seq}")
             crc = message.get("crc")
-            if header.checksum is not None:
-                if crc != zlib.crc32(payload):
-                    raise self._integrity_error(seq, pieces)
+            if header.checksum is not None and crc != zlib.crc32(payload):
+                raise self._integrity_error(seq, pieces)
             if unstager is not None and bounced:
                 unstager.deliver(pieces)
             unacknowledged += 1
@@ -366,10 +365,8 @@ class _Receiver:
         )
 
     def cancel(self) -> None:
-        try:
+        with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
 
     def close(self) -> None:
         if self.prefaulter is not None:
