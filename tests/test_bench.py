@@ -71,9 +71,7 @@ def test_sizes_and_presets() -> None:
     assert bench.parse_size("1GiB") == 1 << 30
     assert bench.parse_size("1.5m") == 3 << 19
     assert bench.Scenario("x", 10 << 10, 4 << 10).tensor_sizes == [4096, 4096, 2048]
-    args = bench.build_parser().parse_args(
-        ["--scenario", "all", "--total", "8K", "--skip", "pg-fresh"]
-    )
+    args = bench.build_parser().parse_args(["--scenario", "all", "--total", "8K", "--skip", "pg-fresh"])
     scenarios = bench.scenarios_from_args(args, with_torchft=False, with_pg=False)
     assert [s.name for s in scenarios] == list(bench.PRESETS)
     for scenario in scenarios:

@@ -137,12 +137,8 @@ def _presets() -> dict[str, Scenario]:
     big = ("tcp-reused", "tcp-fresh", "http", "http-4")
     settle = DEFAULT_SETTLE_S
     return {
-        "inplace": Scenario(
-            "inplace", gib, 4 * mib, methods=(*big, "zmq-inplace", "pg-inplace"), settle_s=settle
-        ),
-        "fresh": Scenario(
-            "fresh", gib, 4 * mib, methods=(*big, "zmq-fresh", "pg-fresh"), settle_s=settle
-        ),
+        "inplace": Scenario("inplace", gib, 4 * mib, methods=(*big, "zmq-inplace", "pg-inplace"), settle_s=settle),
+        "fresh": Scenario("fresh", gib, 4 * mib, methods=(*big, "zmq-fresh", "pg-fresh"), settle_s=settle),
         "small": Scenario(
             "small",
             80 * mib,
@@ -206,7 +202,7 @@ def _parse_option(text: str) -> tuple[str, Any]:
 def torchft_available() -> bool:
     try:
         # Optional: the benchmark runs without torchft, minus its methods.
-        import torchft.checkpointing  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: F401, PLC0415
+        import torchft.checkpointing  # noqa: F401
     except Exception:  # noqa: BLE001 - torchft's import fails in many ways on odd installs
         return False
     return True
@@ -215,7 +211,7 @@ def torchft_available() -> bool:
 def numpy_available() -> bool:
     """PGTransport's receive decodes its metadata through numpy."""
     try:
-        import numpy  # type: ignore[import-not-found,unused-ignore]  # noqa: F401, PLC0415
+        import numpy  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
     except ImportError:
         return False
     return True
@@ -264,9 +260,7 @@ class PeakMeter:
         self.baseline = _status_kib("VmRSS") * 1024
         if not self.resettable:
             # Without clear_refs only the lifetime peak is known: an upper bound.
-            self.baseline = min(
-                self.baseline, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            )
+            self.baseline = min(self.baseline, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
     def growth(self) -> int:
         return max(0, _status_kib("VmHWM") * 1024 - self.baseline)
@@ -370,7 +364,7 @@ def _quiet_child() -> None:
 
 def _http_transport(timeout: timedelta, chunks: int) -> Any:
     # Optional dependency, imported only by the processes that run its methods.
-    from torchft.checkpointing import (  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: PLC0415
+    from torchft.checkpointing import (
         HTTPTransport,
     )
 
@@ -378,7 +372,7 @@ def _http_transport(timeout: timedelta, chunks: int) -> Any:
 
 
 def _pg_transport(pg: Any, timeout: timedelta, state_dict: Callable[[], Any] | None) -> Any:
-    from torchft.checkpointing.pg_transport import (  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: PLC0415
+    from torchft.checkpointing.pg_transport import (
         PGTransport,
     )
 
@@ -386,7 +380,7 @@ def _pg_transport(pg: Any, timeout: timedelta, state_dict: Callable[[], Any] | N
 
 
 def _pg_init(store_port: int, rank: int, world_size: int, timeout_s: float) -> Any:
-    from torchft.process_group import (  # type: ignore[import-untyped,import-not-found,unused-ignore]  # noqa: PLC0415
+    from torchft.process_group import (
         ProcessGroupGloo,
     )
 
@@ -491,9 +485,7 @@ class _SenderProcess:
             # PGTransport's send blocks until every receiver has its data.
             def send() -> None:
                 try:
-                    self.pg_transport.send_checkpoint(
-                        self.dst_ranks, step, self.state, self.timeout
-                    )
+                    self.pg_transport.send_checkpoint(self.dst_ranks, step, self.state, self.timeout)
                 except BaseException:  # noqa: BLE001 - reported by finish()
                     self.errors.append(traceback.format_exc())
 
@@ -574,9 +566,7 @@ class _ReceiverProcess:
             **self.knobs.zmq_kwargs(),
         }
         if "zmq-inplace" in self.methods:
-            self.transports["zmq-inplace"] = ZMQTransport(
-                self.timeout, state_dict=lambda: self.target_state, **kwargs
-            )
+            self.transports["zmq-inplace"] = ZMQTransport(self.timeout, state_dict=lambda: self.target_state, **kwargs)
         if "zmq-fresh" in self.methods:
             self.transports["zmq-fresh"] = ZMQTransport(self.timeout, **kwargs)
         for method, chunks in (("http", 0), ("http-4", 4)):
@@ -586,9 +576,7 @@ class _ReceiverProcess:
     def pg_init(self, store_port: int) -> None:
         world_size = self.scenario.receivers + 1
         self.pg = _pg_init(store_port, self.rank, world_size, self.knobs.timeout_s)
-        self.transports["pg-inplace"] = _pg_transport(
-            self.pg, self.timeout, lambda: self.target_state
-        )
+        self.transports["pg-inplace"] = _pg_transport(self.pg, self.timeout, lambda: self.target_state)
         self.transports["pg-fresh"] = _pg_transport(self.pg, self.timeout, None)
 
     def prepare(self, method: str, metadata: str, step: int) -> None:
@@ -897,9 +885,7 @@ def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
             for method in ("zmq-fresh", "zmq-inplace"):
                 entry = s.get(method)
                 if entry is not None:
-                    add(
-                        name, f"{method} median recv, ms", entry.slowest_s * 1000, 5.0, higher=False
-                    )
+                    add(name, f"{method} median recv, ms", entry.slowest_s * 1000, 5.0, higher=False)
     return targets
 
 
@@ -973,9 +959,7 @@ def format_result(result: ScenarioResult) -> str:
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for number, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [
-            cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)
-        ]
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells).rstrip())
         if number == 0:
             lines.append("  ".join("-" * width for width in widths))
@@ -987,9 +971,7 @@ def format_result(result: ScenarioResult) -> str:
     if partial:
         lines.append("note: tensors received in place fewer than expected: " + ", ".join(partial))
     if not result.peak_resettable:
-        lines.append(
-            "note: /proc/self/clear_refs unavailable; RSS columns are lifetime peaks (upper bounds)"
-        )
+        lines.append("note: /proc/self/clear_refs unavailable; RSS columns are lifetime peaks (upper bounds)")
     return "\n".join(lines)
 
 
@@ -1003,8 +985,7 @@ def format_targets(targets: Sequence[Target]) -> str:
         relation = ">=" if target.higher_is_better else "<="
         verdict = "holds" if target.holds else "MISSED"
         lines.append(
-            f"  [{target.scenario}] {target.text}: {target.measured:.3g} "
-            f"(target {relation} {target.limit:g}) {verdict}"
+            f"  [{target.scenario}] {target.text}: {target.measured:.3g} (target {relation} {target.limit:g}) {verdict}"
         )
     return "\n".join(lines)
 
@@ -1043,12 +1024,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[*PRESETS, "all"],
         help="a preset from issue 4 (repeatable; 'all' runs every one); sizes below override it",
     )
-    parser.add_argument(
-        "--total", type=parse_size, help="bytes to move per receiver (e.g. 1G); default 1G"
-    )
-    parser.add_argument(
-        "--tensor", type=parse_size, help="bytes per float32 tensor (e.g. 4M); default 4M"
-    )
+    parser.add_argument("--total", type=parse_size, help="bytes to move per receiver (e.g. 1G); default 1G")
+    parser.add_argument("--tensor", type=parse_size, help="bytes per float32 tensor (e.g. 4M); default 4M")
     parser.add_argument("--receivers", type=int, help="receivers at once (default 1)")
     parser.add_argument(
         "--mode",
@@ -1065,9 +1042,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"idle seconds after each receive so freed memory goes back to the host "
         f"(default {DEFAULT_SETTLE_S:g} for 64 MiB and more, else 0)",
     )
-    parser.add_argument(
-        "--device", default="cpu", choices=["cpu"], help="tensor device (only cpu for now)"
-    )
+    parser.add_argument("--device", default="cpu", choices=["cpu"], help="tensor device (only cpu for now)")
     parser.add_argument("--chunk-bytes", type=parse_size, help="ZMQTransport chunk_bytes")
     parser.add_argument("--window", type=int, help="ZMQTransport window (credit)")
     parser.add_argument("--pack-below", type=parse_size, help="ZMQTransport pack_below")
@@ -1081,25 +1056,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="any other ZMQTransport keyword option (repeatable)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="transport timeout, seconds")
-    parser.add_argument(
-        "--no-verify", action="store_true", help="skip the content check after each receive"
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON document instead of tables"
-    )
+    parser.add_argument("--no-verify", action="store_true", help="skip the content check after each receive")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     return parser
 
 
-def scenarios_from_args(
-    args: argparse.Namespace, with_torchft: bool, with_pg: bool
-) -> list[Scenario]:
+def scenarios_from_args(args: argparse.Namespace, with_torchft: bool, with_pg: bool) -> list[Scenario]:
     names: list[str] = []
     for name in args.scenario or []:
         names += list(PRESETS) if name == "all" else [name]
     custom = not names
-    base = [PRESETS[name] for name in dict.fromkeys(names)] or [
-        Scenario("custom", 1 << 30, 4 << 20, methods=())
-    ]
+    base = [PRESETS[name] for name in dict.fromkeys(names)] or [Scenario("custom", 1 << 30, 4 << 20, methods=())]
     skip = {m.strip() for m in args.skip.split(",") if m.strip()}
     chosen: list[Scenario] = []
     for scenario in base:
@@ -1113,9 +1080,7 @@ def scenarios_from_args(
         elif custom:
             mode = args.mode or "both"
             methods = tuple(
-                m
-                for m in _default_methods(with_torchft)
-                if mode == "both" or m in ANCHORS or m.endswith(mode)
+                m for m in _default_methods(with_torchft) if mode == "both" or m in ANCHORS or m.endswith(mode)
             )
         else:
             methods = scenario.methods
@@ -1125,9 +1090,7 @@ def scenarios_from_args(
         methods = tuple(
             m
             for m in methods
-            if m not in skip
-            and (with_torchft or m not in TORCHFT_METHODS)
-            and (with_pg or not m.startswith("pg"))
+            if m not in skip and (with_torchft or m not in TORCHFT_METHODS) and (with_pg or not m.startswith("pg"))
         )
         if not methods:
             raise SystemExit("no methods left to run")

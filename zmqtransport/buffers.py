@@ -141,3 +141,45 @@ class Prefaulter:
         self._stopped = True
         for thread in self._threads:
             thread.join()
+
+
+class Arena:
+    """One fresh mapping holding many small storages, each a tensor with a storage of its own.
+
+    Allocating 20,480 tensors of 4 KiB one by one cost 90 ms in a fresh
+    process (malloc touches a new page for each, one page fault at a time)
+    plus 40 ms for their byte views; carving them out of one mapping costs
+    about 1 us each, and the mapping is faulted in by a :class:`Prefaulter`
+    like any large storage. Storages are laid out in stream order at
+    :data:`ARENA_ALIGN`-byte offsets (what torch's allocator guarantees), so a
+    packed frame whose storages are all here, and all multiples of that size,
+    is received straight into place with no per-tensor copy.
+
+    Each tensor keeps the mapping alive (``torch.frombuffer``); it is unmapped
+    when the last one is freed. Unlike storages from torch's allocator, these
+    cannot be resized (``resize_`` raises), as with tensors loaded through
+    ``torch.load(mmap=True)`` or safetensors.
+    """
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.offsets: list[int] = []
+        at = 0
+        for nbytes in sizes:
+            self.offsets.append(at)
+            at += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        self.nbytes = at
+        self._mapping = mmap.mmap(-1, max(at, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._mapping)
+        self.pointer = ctypes.addressof(ctypes.c_char.from_buffer(self._mapping))
+
+    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int] | None = None) -> torch.Tensor:
+        """``nbytes`` at ``offset`` as a 1-D tensor of ``dtype``, or of ``shape`` when given."""
+        tensor = torch.frombuffer(self._mapping, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+        if shape is not None and (len(shape) != 1 or shape[0] != tensor.shape[0]):
+            tensor = tensor.view(shape)
+        return tensor
+
+
+ARENA_ALIGN = 64
+# Below this many small fresh storages, plain allocations are as cheap.
+ARENA_MIN_STORAGES = 32

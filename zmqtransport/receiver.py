@@ -80,6 +80,7 @@ class _Destination:
     # ``fresh`` was allocated with the dtype and shape of the storage's only
     # tensor, which _build then hands out as it is (no second tensor object).
     exact: bool = False
+    arena_offset: int = -1  # where ``fresh`` lies in the receiver's arena, if there
 
 
 @dataclass
@@ -119,6 +120,7 @@ class _Receiver:
         self.stats = TransferStats(peer=address.endpoint, step=step)
         self.parsed: _Header | None = None  # set once the header is validated
         self.prefaulter: buffers.Prefaulter | None = None  # faults fresh storage in ahead of the data
+        self.arena: buffers.Arena | None = None  # small fresh storages, in one mapping
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IPV6, 1)
@@ -214,7 +216,8 @@ class _Receiver:
         leaves = dict(tree.iter_tensor_leaves(targets)) if targets is not None else {}
         parsed.target_leaves = leaves
         chosen: dict[int, Any] = {}
-        for storage, nbytes in enumerate(header.storages):
+        # Without targets (a fresh receive) nothing can be chosen: skip the walk.
+        for storage, nbytes in enumerate(header.storages if leaves else ()):
             tensor_indices = users.get(storage, [])
             if len(tensor_indices) != 1:
                 continue
@@ -242,16 +245,36 @@ class _Receiver:
         staged = self._staged_destinations(header, chosen)
         result: list[_Destination] = []
         fresh_regions: list[tuple[int, int, int]] = []  # (stream offset, pointer, bytes)
+        # The storages that travel packed (plan_chunks) and land in fresh memory.
+        small = [
+            i
+            for i, n in enumerate(header.storages)
+            if 0 < n < header.pack_below and i not in chosen and i not in staged
+        ]
+        arena = buffers.Arena([header.storages[i] for i in small]) if len(small) >= buffers.ARENA_MIN_STORAGES else None
+        in_arena = dict(zip(small, arena.offsets, strict=True)) if arena is not None else {}
+        self.arena = arena
         offset = 0
         for storage, nbytes in enumerate(header.storages):
             target = chosen.get(storage)
             landing = staged.get(storage)
+            at = in_arena.get(storage, -1)
             if landing is not None:
                 result.append(landing)
             elif target is not None:
                 local = _local_tensor(target)
                 assert local is not None
                 result.append(_Destination(buffers.tensor_view(local), None, target))
+            elif arena is not None and at >= 0:
+                if at == 0:
+                    fresh_regions.append((offset, arena.pointer, arena.nbytes))
+                exact = _exact_spec(specs, users.get(storage), nbytes)
+                if exact is not None:
+                    fresh = arena.tensor(at, nbytes, exact.dtype, exact.shape)
+                else:
+                    fresh = arena.tensor(at, nbytes, torch.uint8)
+                view = arena.view[at : at + nbytes]
+                result.append(_Destination(view, fresh, exact=exact is not None, arena_offset=at))
             else:
                 exact = _exact_spec(specs, users.get(storage), nbytes)
                 if exact is not None and not (self.options.huge_pages and nbytes >= buffers.HUGE_PAGE):
@@ -318,6 +341,12 @@ class _Receiver:
                 if received != expected:
                     raise ProtocolError(f"data message {seq} has {received} bytes, expected {expected}")
                 payload = target
+            elif (run := self._arena_run(pieces, destinations)) is not None:
+                # Packed storages that lie back to back in the arena: straight into place.
+                payload = run
+                received = self.socket.recv_into(run)
+                if received != expected:
+                    raise ProtocolError(f"data message {seq} has {received} bytes, expected {expected}")
             else:
                 frame = self.socket.recv(copy=False)
                 payload = frame.buffer
@@ -347,6 +376,20 @@ class _Receiver:
         if message["op"] != wire.OP_END:
             raise ProtocolError(f"expected the end marker, got {message['op']!r}")
         self._expect_no_more("the end marker")
+
+    def _arena_run(self, pieces: list[wire.Piece], destinations: list[_Destination]) -> memoryview | None:
+        """The arena bytes a packed message fills, when its storages lie there back to back."""
+        arena = self.arena
+        if arena is None:
+            return None
+        start = at = destinations[pieces[0].storage].arena_offset
+        if start < 0:
+            return None
+        for piece in pieces:
+            if destinations[piece.storage].arena_offset != at or piece.start:
+                return None
+            at += piece.length
+        return arena.view[start:at]
 
     def _integrity_error(self, seq: int, pieces: list[wire.Piece]) -> IntegrityError:
         """Name the storages and the tensors (key paths) a corrupted data message carried."""
@@ -390,19 +433,28 @@ def _exact_spec(
     if users is None or len(users) != 1:
         return None
     spec = specs[users[0]]
-    return spec if spec.covers_whole_storage and spec.nbytes == nbytes else None
+    return spec if _whole(spec, nbytes) else None
+
+
+def _whole(spec: tree.TensorSpec, nbytes: int) -> bool:
+    """Whether ``spec`` is exactly its ``nbytes``-byte storage: contiguous, from byte 0 to the end."""
+    if spec.offset:
+        return False
+    shape = spec.shape
+    if len(shape) == 1:  # the common case, without computing a contiguous stride
+        return spec.stride == (1,) and shape[0] * spec.dtype.itemsize == nbytes
+    return spec.covers_whole_storage and spec.nbytes == nbytes
 
 
 def _fits(target: torch.Tensor, spec: tree.TensorSpec, storage_nbytes: int) -> bool:
     return (
-        target.dtype == spec.dtype
-        and tuple(target.shape) == spec.shape
+        _whole(spec, storage_nbytes)  # first: no torch attribute access
+        and target.dtype == spec.dtype
+        and target.shape == spec.shape  # torch.Size compares equal to the tuple
         and can_fill(target.device)
         and target.is_contiguous()
         and not target.is_conj()
         and not target.is_neg()
-        and spec.covers_whole_storage
-        and spec.nbytes == storage_nbytes
         and target.layout == torch.strided
     )
 
