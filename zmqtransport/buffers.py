@@ -24,6 +24,7 @@ import errno
 import functools
 import itertools
 import mmap
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,7 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 PREFAULT_PIECE = 4 * 1024 * 1024
 # Fresh memory below this (per transfer) is not worth starting threads for.
 PREFAULT_MIN_BYTES = 16 * 1024 * 1024
+PREFAULT_NICE = 10  # niceness of prefault threads, relative to nothing (absolute, like nice(1))
 
 
 def raw_view(ptr: int, nbytes: int) -> memoryview:
@@ -122,6 +124,12 @@ class Prefaulter:
         return cls(regions, threads)
 
     def _work(self) -> None:
+        # Faulting ahead is worth only the CPU nobody else wants: when a sender
+        # serves several receivers on few cores, prefault threads at normal
+        # priority took cycles from the sender's I/O thread and slowed every
+        # receiver. Lowering its own priority needs no privilege (Linux: per thread).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICE)
         madvise = _madvise()
         for index in self._next:
             if self._stopped or index >= len(self._pieces):
