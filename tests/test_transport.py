@@ -48,6 +48,7 @@ def test_public_api_and_defaults() -> None:
         transport.shutdown()
 
 
+@pytest.mark.torchft
 def test_is_a_torchft_checkpoint_transport(make_transport: Any) -> None:
     pytest.importorskip("torchft")
     from torchft.checkpointing import CheckpointTransport as TorchftTransport
