@@ -869,3 +869,31 @@ def test_sender_refuses_more_tensors_than_receivers_accept(
     with pytest.raises(ValueError, match="11 tensors; receivers accept at most 10"):
         receiver.send_checkpoint([1], 1, [torch.zeros(1) for _ in range(11)], TIMEOUT)
     receiver.send_checkpoint([1], 1, [torch.zeros(1) for _ in range(10)], TIMEOUT)
+
+
+def test_parked_requests_from_one_peer_respect_the_per_peer_limit(receiver: ZMQTransport[Any]) -> None:
+    """Requests parked before a step is staged start together when it is: one peer still gets
+    at most 4 transfers, so it cannot take the sender's 64 slots from everyone else."""
+    state = staged_state()
+    sender: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK, chunk_bytes=4096, pack_below=4096)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(sender.metadata())
+        for xfer in range(100):
+            sock.send(envelope(id=xfer, wait_ms=60_000, credit=1))
+        deadline = time.monotonic() + 10
+        while len(sender._server._pending) < 100 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sender.send_checkpoint([1], STEP, state, TIMEOUT)
+        ops: list[tuple[str, Any]] = []
+        while sock.poll(1000):
+            message = msgpack.unpackb(sock.recv_multipart()[0])
+            ops.append((message["op"], message.get("code")))
+        assert ops.count(("header", None)) == 4
+        assert ops.count(("error", wire.ERR_BUSY)) == 96
+        assert_still_serves(sender, state, receiver)  # the 4 idle transfers hold no one else up
+    finally:
+        context.destroy(linger=0)
+        sender.shutdown()

@@ -340,8 +340,8 @@ class Server:
             self._transfers.pop(key, None)
             self._pending = [p for p in self._pending if (p.peer, p.request.xfer) != key]
             return
-        if key in self._transfers or sum(1 for k in self._transfers if k[0] == peer) >= _MAX_TRANSFERS_PER_PEER:
-            self._reply(peer, wire.error_reply(request.xfer, wire.ERR_BUSY, "too many transfers from this peer"))
+        if key in self._transfers:
+            self._reply(peer, wire.error_reply(request.xfer, wire.ERR_BUSY, "this transfer id is already running"))
             return
         if self._staged is None:
             if len(self._pending) >= _MAX_PENDING:
@@ -364,6 +364,11 @@ class Server:
         if staged.tree.has_pickle and not request.accept_pickle:
             message = f"step {staged.step} holds pickled objects and the receiver does not accept pickle"
             self._reply(peer, wire.error_reply(request.xfer, wire.ERR_PICKLE, message))
+            return
+        # Checked here, not when a request is parked: requests parked while
+        # nothing was staged all start at once when a step is staged.
+        if sum(1 for k in self._transfers if k[0] == peer) >= _MAX_TRANSFERS_PER_PEER:
+            self._reply(peer, wire.error_reply(request.xfer, wire.ERR_BUSY, "too many transfers from this peer"))
             return
         if len(self._transfers) >= _MAX_TRANSFERS:
             self._reply(peer, wire.error_reply(request.xfer, wire.ERR_BUSY, "too many concurrent transfers"))
