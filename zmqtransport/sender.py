@@ -373,8 +373,7 @@ class Server:
         if len(self._transfers) >= _MAX_TRANSFERS:
             self._reply(peer, wire.error_reply(request.xfer, wire.ERR_BUSY, "too many concurrent transfers"))
             return
-        envelope = wire.pack({"v": wire.PROTOCOL_VERSION, "op": wire.OP_HEADER, "id": request.xfer})
-        if not self._send(peer, [envelope, staged.header_body]):
+        if not self._send(peer, [wire.header_envelope(request.xfer), staged.header_body]):
             if parked is not None and time.monotonic() - self._rebound_at < _REBIND_GRACE:
                 # Parked before a forced rebind: its receiver (whose DEALER keeps
                 # its routing id) may not have reconnected yet. Try again soon.

@@ -218,22 +218,11 @@ class ZMQTransport(CheckpointTransport[T]):
             pack_below=self._pack_below,
             checksum=self._checksum,
         )
-        body = wire.pack(
-            {
-                "step": header.step,
-                "skeleton": header.skeleton,
-                "tensors": header.tensors,
-                "storages": header.storages,
-                "chunk_bytes": header.chunk_bytes,
-                "pack_below": header.pack_below,
-                "checksum": header.checksum,
-            }
-        )
         plan = wire.plan_chunks(storages, self._chunk_bytes, self._pack_below)
         # CUDA storages are not copied here: the serving thread stages them
         # through pinned buffers; this only notes where the caller's stream is.
         device_plan = prepare_send(encoded, plan, self._staging)
-        staged = Staged(step, body, encoded, plan, self._checksum, [None] * len(plan), device_plan=device_plan)
+        staged = Staged(step, header.body(), encoded, plan, self._checksum, [None] * len(plan), device_plan=device_plan)
         self._server.stage(staged)
 
     def disallow_checkpoint(self) -> None:

@@ -191,12 +191,10 @@ class Header:
     def total_bytes(self) -> int:
         return sum(self.storages)
 
-    def to_message(self, xfer: int) -> bytes:
+    def body(self) -> bytes:
+        """The header frame that follows the envelope; packed once per staged step."""
         return pack(
             {
-                "v": PROTOCOL_VERSION,
-                "op": OP_HEADER,
-                "id": xfer,
                 "step": self.step,
                 "skeleton": self.skeleton,
                 "tensors": self.tensors,
@@ -206,6 +204,10 @@ class Header:
                 "checksum": self.checksum,
             }
         )
+
+
+def header_envelope(xfer: int) -> bytes:
+    return pack({"v": PROTOCOL_VERSION, "op": OP_HEADER, "id": xfer})
 
 
 def decode_header(message: dict[str, Any]) -> Header:
