@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from zmqtransport import ZMQTransport
+from zmqtransport import RemoteError, ZMQTransport, wire
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -31,3 +33,36 @@ def make_transport() -> Iterator[Callable[..., ZMQTransport[Any]]]:
     yield make
     for transport in made:
         transport.shutdown()
+
+
+def fetch_racing_disallow(
+    sender: ZMQTransport[Any],
+    receivers: list[ZMQTransport[Any]],
+    step: int,
+    after_disallow: Callable[[], None],
+) -> list[Any]:
+    """Start every receiver fetching ``step``, disallow mid-transfer, then run
+    ``after_disallow`` (which typically mutates the staged tensors).
+
+    Returns each receiver's outcome: the state it got, or the ``disallowed``
+    RemoteError. A receiver must never get a mix of old and mutated bytes.
+    """
+    outcomes: list[Any] = []
+
+    def fetch(receiver: ZMQTransport[Any]) -> None:
+        try:
+            outcomes.append(receiver.recv_checkpoint(0, sender.metadata(), step, TIMEOUT))
+        except RemoteError as exc:
+            assert exc.code == wire.ERR_DISALLOWED, exc
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=fetch, args=(receiver,)) for receiver in receivers]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.05)
+    sender.disallow_checkpoint()
+    after_disallow()
+    for thread in threads:
+        thread.join(60)
+    assert len(outcomes) == len(receivers), "a receiver neither finished nor failed"
+    return outcomes

@@ -18,7 +18,7 @@ import zmq
 import zmqtransport
 from zmqtransport import CheckpointTransport, ProtocolError, RemoteError, ZMQTransport, wire
 
-from .conftest import TIMEOUT
+from .conftest import TIMEOUT, fetch_racing_disallow
 
 
 def model_state(seed: int, tensors: int = 4, numel: int = 1 << 16) -> dict[str, Any]:
@@ -175,29 +175,14 @@ def test_disallow_then_mutate_never_leaks_mutated_bytes(make_transport: Any) -> 
     receivers = [make_transport(window=1) for _ in range(3)]
     state = {"model": {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(8)}, "torchft": {"step": 1}}
     original = {k: v.clone() for k, v in state["model"].items()}
-    outcomes: list[Any] = []
     sender.send_checkpoint([1, 2, 3], 1, state, TIMEOUT)
 
-    def fetch(receiver: ZMQTransport[Any]) -> None:
-        try:
-            outcomes.append(receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT))
-        except RemoteError as exc:
-            outcomes.append(exc)
+    def mutate() -> None:
+        for tensor in state["model"].values():
+            tensor.fill_(-1.0)  # allowed now: nothing may read this memory any more
 
-    threads = [threading.Thread(target=fetch, args=(r,)) for r in receivers]
-    for thread in threads:
-        thread.start()
-    time.sleep(0.05)
-    sender.disallow_checkpoint()
-    for tensor in state["model"].values():
-        tensor.fill_(-1.0)  # allowed now: nothing may read this memory any more
-    for thread in threads:
-        thread.join(30)
-    assert len(outcomes) == 3
-    for outcome in outcomes:
-        if isinstance(outcome, RemoteError):
-            assert outcome.code == wire.ERR_DISALLOWED
-        else:
+    for outcome in fetch_racing_disallow(sender, receivers, 1, mutate):
+        if not isinstance(outcome, RemoteError):
             for key, tensor in original.items():
                 assert torch.equal(outcome["model"][key], tensor), key
 
