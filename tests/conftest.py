@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -10,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import torch
 
 from zmqtransport import RemoteError, ZMQTransport, wire
 
@@ -66,3 +68,31 @@ def fetch_racing_disallow(
         thread.join(60)
     assert len(outcomes) == len(receivers), "a receiver neither finished nor failed"
     return outcomes
+
+
+def assert_same(got: Any, want: Any, path: str = "state") -> None:
+    """Exact equality: types, structure, tensor dtype/shape/stride/bytes."""
+    assert type(got) is type(want), f"{path}: {type(got)} != {type(want)}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        assert got.stride() == want.stride(), path
+        assert got.requires_grad == want.requires_grad, path
+        # Compare raw bytes so NaNs, -0.0 and float8 payloads count too.
+        assert bytes_of(got) == bytes_of(want), path
+    elif isinstance(want, dict):
+        assert list(got.keys()) == list(want.keys()), path
+        for key in want:
+            assert_same(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same(a, b, f"{path}[{i}]")
+    elif isinstance(want, float) and math.isnan(want):
+        assert math.isnan(got), path
+    else:
+        assert got == want, path
+
+
+def bytes_of(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().resolve_conj().contiguous().reshape(-1)
+    return bytes(flat.view(torch.uint8).tolist()) if flat.numel() else b""

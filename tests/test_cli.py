@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import queue
 import shutil
@@ -31,6 +30,8 @@ import pytest
 import torch
 
 from zmqtransport import ZMQTransport, cli, tree
+
+from .conftest import assert_same
 
 TIMEOUT_S = 120  # per subprocess: a hang fails the test instead of the suite
 LOOPBACK = "127.0.0.1"
@@ -210,27 +211,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind((LOOPBACK, 0))
         return int(probe.getsockname()[1])
-
-
-def assert_same(got: Any, want: Any, path: str = "state") -> None:
-    """Structure, types and every bit of every tensor (NaN equals NaN)."""
-    assert type(got) is type(want), f"{path}: {type(got)} != {type(want)}"
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and got.shape == want.shape, path
-        got_bytes = got.contiguous().reshape(-1).view(torch.uint8)
-        assert got_bytes.equal(want.contiguous().reshape(-1).view(torch.uint8)), path
-    elif isinstance(want, dict):
-        assert list(got) == list(want), path
-        for key in want:
-            assert_same(got[key], want[key], f"{path}[{key!r}]")
-    elif isinstance(want, list | tuple) and not isinstance(want, torch.Size):
-        assert len(got) == len(want), path
-        for index, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert_same(a, b, f"{path}[{index}]")
-    elif isinstance(want, float) and math.isnan(want):
-        assert math.isnan(got), path
-    else:
-        assert got == want, path
 
 
 def assert_checkpoint_file(path: Path, step: int) -> None:
