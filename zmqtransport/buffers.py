@@ -170,12 +170,8 @@ class Arena:
     """
 
     def __init__(self, sizes: Sequence[int]) -> None:
-        self.offsets: list[int] = []
-        at = 0
-        for nbytes in sizes:
-            self.offsets.append(at)
-            at += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
-        self.nbytes = at
+        self.offsets = arena_offsets(sizes)
+        at = self.nbytes = arena_size(sizes)
         self._mapping = mmap.mmap(-1, max(at, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self._mapping)
         self.pointer = ctypes.addressof(ctypes.c_char.from_buffer(self._mapping))
@@ -189,5 +185,26 @@ class Arena:
 
 
 ARENA_ALIGN = 64
+
+
+def arena_offsets(sizes: Sequence[int]) -> list[int]:
+    """Where storages of ``sizes`` lie in an :class:`Arena`: in order, each at an aligned offset."""
+    offsets: list[int] = []
+    at = 0
+    for nbytes in sizes:
+        offsets.append(at)
+        at += _aligned(nbytes)
+    return offsets
+
+
+def arena_size(sizes: Sequence[int]) -> int:
+    """The bytes an :class:`Arena` for storages of ``sizes`` spans."""
+    return sum(_aligned(nbytes) for nbytes in sizes)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+
+
 # Below this many small fresh storages, plain allocations are as cheap.
 ARENA_MIN_STORAGES = 32

@@ -780,7 +780,7 @@ class SendStager:
 
 
 class Landing(Protocol):
-    """What the unstager needs of a receive destination (``receiver._Destination``)."""
+    """What the unstager needs of a receive destination (``receiver.Destination``)."""
 
     view: memoryview  # host destination: written directly
     device_bytes: torch.Tensor | None  # staged destination: flat uint8 on its device

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, tree, wire
-from .device import CPU, DeviceStaging, RecvUnstager, can_fill, fresh_storage, landing_bytes
+from . import buffers, landing, tree, wire
+from .device import CPU, DeviceStaging, RecvUnstager, fresh_storage, tensor_bytes
 from .errors import IntegrityError, ProtocolError, RemoteError
 from .net import PeerAddress
 
@@ -68,39 +68,129 @@ class FetchOptions:
     prefault_threads: int = 2  # threads faulting fresh storage in ahead of the data
 
 
-@dataclass
-class _Destination:
-    """Where one storage's bytes land: target memory (in place) or a fresh buffer."""
+# ----------------------------------------------------------------------------- executing a landing plan
 
+
+@dataclass
+class Destination:
+    """One storage's landing memory, allocated as its :data:`landing.Placement` says.
+
+    ``view`` is the host memory its bytes are received into (empty when they go
+    through bounce buffers into ``device_bytes``); ``fresh`` is the storage's
+    freshly allocated memory (None in place).
+    """
+
+    placement: landing.Placement
     view: memoryview
-    fresh: torch.Tensor | None  # the uint8 storage tensor when freshly allocated
-    in_place: Any = None  # the caller's tensor (or DTensor) receiving the bytes
-    # Device memory (flat uint8), filled through pinned bounce buffers; view is then empty.
-    device_bytes: torch.Tensor | None = None
-    # ``fresh`` was allocated with the dtype and shape of the storage's only
-    # tensor, which _build then hands out as it is (no second tensor object).
-    exact: bool = False
-    arena_offset: int = -1  # where ``fresh`` lies in the receiver's arena, if there
+    device_bytes: torch.Tensor | None = None  # flat uint8 device memory filled through bounce buffers
+    fresh: torch.Tensor | None = None
+
+    @property
+    def in_place(self) -> Any:
+        """The caller's tensor (or DTensor) receiving the bytes, or None."""
+        placement = self.placement
+        return placement.target if isinstance(placement, landing.InPlace | landing.InPlaceBounced) else None
+
+    @property
+    def exact(self) -> bool:
+        """``fresh`` was allocated as the storage's only tensor, which is then handed out as it is."""
+        placement = self.placement
+        return isinstance(placement, landing.Fresh | landing.InArena) and placement.exact is not None
+
+    @property
+    def arena_offset(self) -> int:
+        """Where ``fresh`` lies in the arena, or -1."""
+        return self.placement.offset if isinstance(self.placement, landing.InArena) else -1
 
 
 @dataclass
-class _Header:
-    header: wire.Header
-    specs: list[tree.TensorSpec]
-    paths: dict[int, tree.KeyPath]
-    dtensor_specs: dict[int, Any] = field(default_factory=dict)  # local tensor index -> spec
-    target_leaves: dict[tree.KeyPath, Any] = field(default_factory=dict)  # in-place targets
+class Landed:
+    """A landing plan carried out: the memory of every storage, the arena, the prefaulter."""
+
+    plan: landing.LandingPlan
+    destinations: list[Destination]
+    arena: buffers.Arena | None
+    prefaulter: buffers.Prefaulter | None
+
+    def arena_run(self, pieces: list[wire.Piece]) -> memoryview | None:
+        """The arena bytes a packed message fills, when its storages lie there back to back."""
+        if self.arena is None:
+            return None
+        start = at = self.destinations[pieces[0].storage].arena_offset
+        if start < 0:
+            return None
+        for piece in pieces:
+            if self.destinations[piece.storage].arena_offset != at or piece.start:
+                return None
+            at += piece.length
+        return self.arena.view[start:at]
+
+    def close(self) -> None:
+        if self.prefaulter is not None:
+            self.prefaulter.close()  # before the fresh memory can be freed
 
 
-def default_max_bytes() -> int:
-    """Physical memory: a header claiming more than this cannot be honest."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 2**40
+def land(plan: landing.LandingPlan, prefault_threads: int) -> Landed:
+    """Allocate what ``plan`` says and start faulting fresh memory in ahead of the data."""
+    arena = buffers.Arena(plan.arena.sizes) if plan.arena is not None else None
+    destinations = [_allocate(placement, arena) for placement in plan.placements]
+    regions = []  # (stream offset, pointer, bytes)
+    for region in plan.prefault:
+        if region.arena:
+            assert arena is not None
+            regions.append((region.stream_offset, arena.pointer, region.nbytes))
+        else:
+            fresh = destinations[region.storage].fresh
+            assert fresh is not None
+            regions.append((region.stream_offset, fresh.data_ptr(), region.nbytes))
+    prefaulter = buffers.Prefaulter.start(regions, prefault_threads)
+    return Landed(plan, destinations, arena, prefaulter)
+
+
+def _allocate(placement: landing.Placement, arena: buffers.Arena | None) -> Destination:
+    empty = memoryview(b"")
+    match placement:
+        case landing.InPlace(local=local):
+            return Destination(placement, buffers.tensor_view(local))
+        case landing.InPlaceBounced(local=local):
+            return Destination(placement, empty, device_bytes=tensor_bytes(local))
+        case landing.FreshBounced(nbytes=nbytes, device=device):
+            fresh = fresh_storage(nbytes, device)
+            return Destination(placement, empty, device_bytes=fresh, fresh=fresh)
+        case landing.InArena(offset=at, nbytes=nbytes, exact=exact):
+            assert arena is not None
+            if exact is not None:
+                fresh = arena.tensor(at, nbytes, exact.dtype, exact.shape)
+            else:
+                fresh = arena.tensor(at, nbytes, torch.uint8)
+            return Destination(placement, arena.view[at : at + nbytes], fresh=fresh)
+        case landing.Fresh(nbytes=nbytes, exact=exact, huge_pages=huge_pages):
+            if exact is not None:
+                # The storage's only tensor, allocated as itself: building it
+                # later through set_() cost ~10 us per tensor, 0.2 s for 20,480.
+                fresh = torch.empty(exact.shape, dtype=exact.dtype)
+            else:
+                fresh = buffers.allocate(nbytes, huge_pages)
+            return Destination(placement, buffers.tensor_view(fresh), fresh=fresh)
+    raise AssertionError(f"unknown placement {placement!r}")
+
+
+def recv_exact(socket: zmq.Socket[Any], into: memoryview | None, what: str, expected: int) -> memoryview:
+    """Receive the next frame into ``into`` (None: as a zero-copy frame); it must hold ``expected`` bytes."""
+    if into is None:
+        payload = socket.recv(copy=False).buffer
+        received = len(payload)
+    else:
+        payload = into
+        received = socket.recv_into(into)
+    if received != expected:
+        raise ProtocolError(f"{what} has {received} bytes, expected {expected}")
+    return payload
 
 
 class _Receiver:
+    """One receive's DEALER socket and its phases: request, header, data messages, end marker."""
+
     def __init__(
         self,
         context: zmq.Context[Any],
@@ -118,9 +208,7 @@ class _Receiver:
         self.deadline = time.monotonic() + timeout
         self.xfer = random.getrandbits(63)
         self.stats = TransferStats(peer=address.endpoint, step=step)
-        self.parsed: _Header | None = None  # set once the header is validated
-        self.prefaulter: buffers.Prefaulter | None = None  # faults fresh storage in ahead of the data
-        self.arena: buffers.Arena | None = None  # small fresh storages, in one mapping
+        self.parsed: landing.ParsedHeader | None = None  # set once the header is validated
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IPV6, 1)
@@ -192,7 +280,7 @@ class _Receiver:
         )
         self.socket.send(request)
 
-    def receive_header(self) -> _Header:
+    def receive_header(self) -> landing.ParsedHeader:
         message = self._recv_envelope("the checkpoint header")
         if message["op"] != wire.OP_HEADER or not self._more():
             raise ProtocolError(f"expected a header, got {message['op']!r}")
@@ -201,195 +289,71 @@ class _Receiver:
         header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
         if header.step != self.step:
             raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
-        specs = tree.decode_tensor_table(header.tensors, header.storages)
-        dtensor_specs: dict[int, Any] = {}
-        paths = tree.index_skeleton(header.skeleton, len(specs), self.options.allow_pickle, dtensor_specs)
-        self.parsed = _Header(header, specs, paths, dtensor_specs)
+        self.parsed = landing.parse_header(header, self.options.allow_pickle)
         return self.parsed
 
-    def destinations(self, parsed: _Header, targets: Any) -> list[_Destination]:
-        """Decide where each storage lands, refusing absurd sizes before allocating."""
-        header, specs = parsed.header, parsed.specs
-        users: dict[int, list[int]] = {}
-        for index, spec in enumerate(specs):
-            users.setdefault(spec.storage, []).append(index)
-        leaves = dict(tree.iter_tensor_leaves(targets)) if targets is not None else {}
-        parsed.target_leaves = leaves
-        chosen: dict[int, Any] = {}
-        # Without targets (a fresh receive) nothing can be chosen: skip the walk.
-        for storage, nbytes in enumerate(header.storages if leaves else ()):
-            tensor_indices = users.get(storage, [])
-            if len(tensor_indices) != 1:
-                continue
-            index = tensor_indices[0]
-            spec = specs[index]
-            target = leaves.get(parsed.paths[index])
-            local = _local_tensor(target)
-            if local is None or not _fits(local, spec, nbytes):
-                continue
-            # A DTensor shard goes only into a DTensor with the same spec: other
-            # placements or another mesh would describe bytes it does not hold.
-            dtensor_spec = parsed.dtensor_specs.get(index)
-            if dtensor_spec is not None or local is not target:
-                from . import dtensor_codec
-
-                if dtensor_spec is None or not dtensor_codec.spec_matches(target, dtensor_spec):
-                    continue
-            chosen[storage] = target
-        fresh_bytes = sum(n for i, n in enumerate(header.storages) if i not in chosen)
-        limit = self.options.max_bytes if self.options.max_bytes is not None else default_max_bytes()
-        if fresh_bytes > limit:
-            raise ProtocolError(
-                f"the peer announced {fresh_bytes} bytes of tensors, more than the limit of {limit}"
-            )
-        staged = self._staged_destinations(header, chosen)
-        result: list[_Destination] = []
-        fresh_regions: list[tuple[int, int, int]] = []  # (stream offset, pointer, bytes)
-        # The storages that travel packed (plan_chunks) and land in fresh memory.
-        small = [
-            i
-            for i, n in enumerate(header.storages)
-            if 0 < n < header.pack_below and i not in chosen and i not in staged
-        ]
-        arena = buffers.Arena([header.storages[i] for i in small]) if len(small) >= buffers.ARENA_MIN_STORAGES else None
-        in_arena = dict(zip(small, arena.offsets, strict=True)) if arena is not None else {}
-        self.arena = arena
-        offset = 0
-        for storage, nbytes in enumerate(header.storages):
-            target = chosen.get(storage)
-            landing = staged.get(storage)
-            at = in_arena.get(storage, -1)
-            if landing is not None:
-                result.append(landing)
-            elif target is not None:
-                local = _local_tensor(target)
-                assert local is not None
-                result.append(_Destination(buffers.tensor_view(local), None, target))
-            elif arena is not None and at >= 0:
-                if at == 0:
-                    fresh_regions.append((offset, arena.pointer, arena.nbytes))
-                exact = _exact_spec(specs, users.get(storage), nbytes)
-                if exact is not None:
-                    fresh = arena.tensor(at, nbytes, exact.dtype, exact.shape)
-                else:
-                    fresh = arena.tensor(at, nbytes, torch.uint8)
-                view = arena.view[at : at + nbytes]
-                result.append(_Destination(view, fresh, exact=exact is not None, arena_offset=at))
-            else:
-                exact = _exact_spec(specs, users.get(storage), nbytes)
-                if exact is not None and not (self.options.huge_pages and nbytes >= buffers.HUGE_PAGE):
-                    # The storage's only tensor, allocated as itself: building it
-                    # later through set_() cost ~10 us per tensor, 0.2 s for 20,480.
-                    fresh = torch.empty(exact.shape, dtype=exact.dtype)
-                    result.append(_Destination(buffers.tensor_view(fresh), fresh, exact=True))
-                else:
-                    fresh = buffers.allocate(nbytes, self.options.huge_pages)
-                    result.append(_Destination(buffers.tensor_view(fresh), fresh))
-                if nbytes >= buffers.PREFAULT_PIECE:
-                    fresh_regions.append((offset, fresh.data_ptr(), nbytes))
-            offset += nbytes
-        # Page faults of fresh memory would otherwise be taken one by one inside
-        # the copy loop below, after the network, on one core (buffers.py).
-        self.prefaulter = buffers.Prefaulter.start(fresh_regions, self.options.prefault_threads)
-        return result
-
-    def _staged_destinations(self, header: wire.Header, chosen: dict[int, Any]) -> dict[int, _Destination]:
-        """Destinations in device memory (in place, or fresh on ``options.device``), by storage."""
-        staging = self.options.staging
-        fresh_staged = staging.stages(self.options.device)
-        staged: dict[int, _Destination] = {}
-        for storage, nbytes in enumerate(header.storages):
-            target = chosen.get(storage)
-            if target is not None:
-                local = _local_tensor(target)
-                assert local is not None
-                flat = landing_bytes(local, staging)
-                if flat is not None:
-                    staged[storage] = _Destination(memoryview(b""), None, target, flat)
-            elif fresh_staged:
-                fresh = fresh_storage(nbytes, self.options.device)
-                staged[storage] = _Destination(memoryview(b""), fresh, None, fresh)
-        return staged
-
-    def receive_data(
-        self, header: wire.Header, destinations: list[_Destination], unstager: RecvUnstager | None = None
-    ) -> None:
-        plan = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
-        total = header.total_bytes
+    def receive_data(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None = None) -> None:
+        """Receive every data message into ``landed``, returning credit in batches."""
+        chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
         done = 0
         unacknowledged = 0
         batch = max(1, self.options.window // 2)
         progress = self.options.progress
-        prefaulter = self.prefaulter
-        for seq, pieces in enumerate(plan):
-            message = self._recv_envelope(f"data message {seq} of {len(plan)}")
+        prefaulter = landed.prefaulter
+        for seq, pieces in enumerate(chunks):
+            message = self._recv_envelope(f"data message {seq} of {len(chunks)}")
             if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
                 raise ProtocolError(f"expected data message {seq}, got {message.get('op')!r} {message.get('seq')!r}")
-            expected = wire.chunk_length(pieces)
             bounced = unstager is not None and unstager.wants(pieces)
-            if unstager is not None and bounced:
-                # Device memory: into a pinned bounce buffer; its copies to the
-                # device are queued after the checksum and overlap the next frames.
-                payload: Any = unstager.buffer(expected)
-                received = self.socket.recv_into(payload)
-                if received != expected:
-                    raise ProtocolError(f"data message {seq} has {received} bytes, expected {expected}")
-            elif len(pieces) == 1:
-                piece = pieces[0]
-                target = destinations[piece.storage].view[piece.start : piece.start + piece.length]
-                received = self.socket.recv_into(target)
-                if received != expected:
-                    raise ProtocolError(f"data message {seq} has {received} bytes, expected {expected}")
-                payload = target
-            elif (run := self._arena_run(pieces, destinations)) is not None:
-                # Packed storages that lie back to back in the arena: straight into place.
-                payload = run
-                received = self.socket.recv_into(run)
-                if received != expected:
-                    raise ProtocolError(f"data message {seq} has {received} bytes, expected {expected}")
-            else:
-                frame = self.socket.recv(copy=False)
-                payload = frame.buffer
-                if len(payload) != expected:
-                    raise ProtocolError(f"data message {seq} has {len(payload)} bytes, expected {expected}")
-                at = 0
-                for piece in pieces:
-                    destinations[piece.storage].view[: piece.length] = payload[at : at + piece.length]
-                    at += piece.length
+            payload = self._receive_payload(seq, pieces, landed, unstager if bounced else None)
             self._expect_no_more(f"data message {seq}")
-            crc = message.get("crc")
-            if header.checksum is not None and crc != zlib.crc32(payload):
+            if header.checksum is not None and message.get("crc") != zlib.crc32(payload):
                 raise self._integrity_error(seq, pieces)
             if unstager is not None and bounced:
                 unstager.deliver(pieces)
             unacknowledged += 1
-            if unacknowledged >= batch and seq + 1 < len(plan):
+            if unacknowledged >= batch and seq + 1 < len(chunks):
                 self.socket.send(wire.credit_request(self.xfer, unacknowledged))
                 unacknowledged = 0
-            done += expected
+            done += len(payload)
             if prefaulter is not None:
                 prefaulter.received = done  # its workers skip what the data has reached
             self.stats.messages += 1
             if progress is not None:
-                progress(done, total)
+                progress(done, header.total_bytes)
+        self.receive_end()
+
+    def _receive_payload(
+        self, seq: int, pieces: list[wire.Piece], landed: Landed, unstager: RecvUnstager | None
+    ) -> memoryview:
+        """Receive data message ``seq``'s payload where it belongs; return the bytes received."""
+        what = f"data message {seq}"
+        expected = wire.chunk_length(pieces)
+        if unstager is not None:
+            # Device memory: into a pinned bounce buffer; its copies to the
+            # device are queued after the checksum and overlap the next frames.
+            return recv_exact(self.socket, unstager.buffer(expected), what, expected)
+        destinations = landed.destinations
+        if len(pieces) == 1:
+            piece = pieces[0]
+            view = destinations[piece.storage].view[piece.start : piece.start + piece.length]
+            return recv_exact(self.socket, view, what, expected)
+        run = landed.arena_run(pieces)
+        if run is not None:
+            # Packed storages that lie back to back in the arena: straight into place.
+            return recv_exact(self.socket, run, what, expected)
+        payload = recv_exact(self.socket, None, what, expected)
+        at = 0
+        for piece in pieces:
+            destinations[piece.storage].view[: piece.length] = payload[at : at + piece.length]
+            at += piece.length
+        return payload
+
+    def receive_end(self) -> None:
         message = self._recv_envelope("the end of the transfer")
         if message["op"] != wire.OP_END:
             raise ProtocolError(f"expected the end marker, got {message['op']!r}")
         self._expect_no_more("the end marker")
-
-    def _arena_run(self, pieces: list[wire.Piece], destinations: list[_Destination]) -> memoryview | None:
-        """The arena bytes a packed message fills, when its storages lie there back to back."""
-        arena = self.arena
-        if arena is None:
-            return None
-        start = at = destinations[pieces[0].storage].arena_offset
-        if start < 0:
-            return None
-        for piece in pieces:
-            if destinations[piece.storage].arena_offset != at or piece.start:
-                return None
-            at += piece.length
-        return arena.view[start:at]
 
     def _integrity_error(self, seq: int, pieces: list[wire.Piece]) -> IntegrityError:
         """Name the storages and the tensors (key paths) a corrupted data message carried."""
@@ -412,61 +376,20 @@ class _Receiver:
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
 
     def close(self) -> None:
-        if self.prefaulter is not None:
-            self.prefaulter.close()  # before the fresh memory can be freed
         self.socket.close(linger=0)
 
 
-def _local_tensor(target: Any) -> torch.Tensor | None:
-    if target is None:
-        return None
-    local = getattr(target, "_local_tensor", None)  # DTensor: write into its shard
-    if isinstance(local, torch.Tensor):
-        return local
-    return target if isinstance(target, torch.Tensor) else None
-
-
-def _exact_spec(
-    specs: list[tree.TensorSpec], users: list[int] | None, nbytes: int
-) -> tree.TensorSpec | None:
-    """The spec of a storage's only tensor when that tensor is exactly the whole storage."""
-    if users is None or len(users) != 1:
-        return None
-    spec = specs[users[0]]
-    return spec if _whole(spec, nbytes) else None
-
-
-def _whole(spec: tree.TensorSpec, nbytes: int) -> bool:
-    """Whether ``spec`` is exactly its ``nbytes``-byte storage: contiguous, from byte 0 to the end."""
-    if spec.offset:
-        return False
-    shape = spec.shape
-    if len(shape) == 1:  # the common case, without computing a contiguous stride
-        return spec.stride == (1,) and shape[0] * spec.dtype.itemsize == nbytes
-    return spec.covers_whole_storage and spec.nbytes == nbytes
-
-
-def _fits(target: torch.Tensor, spec: tree.TensorSpec, storage_nbytes: int) -> bool:
-    return (
-        _whole(spec, storage_nbytes)  # first: no torch attribute access
-        and target.dtype == spec.dtype
-        and target.shape == spec.shape  # torch.Size compares equal to the tuple
-        and can_fill(target.device)
-        and target.is_contiguous()
-        and not target.is_conj()
-        and not target.is_neg()
-        and target.layout == torch.strided
-    )
-
-
-def _build(parsed: _Header, destinations: list[_Destination]) -> Any:
+def _build(parsed: landing.ParsedHeader, landed: Landed) -> Any:
+    """The received object: the skeleton with each tensor leaf where its storage landed."""
+    destinations = landed.destinations
     tensors: dict[int, Any] = {}
 
     def plain(index: int) -> torch.Tensor:
         spec = parsed.specs[index]
         destination = destinations[spec.storage]
-        if destination.in_place is not None:
-            return _local_tensor(destination.in_place)  # type: ignore[return-value]
+        placement = destination.placement
+        if isinstance(placement, landing.InPlace | landing.InPlaceBounced):
+            return placement.local
         assert destination.fresh is not None
         if destination.exact:
             tensor = destination.fresh
@@ -482,13 +405,13 @@ def _build(parsed: _Header, destinations: list[_Destination]) -> Any:
 
     def leaf(index: int) -> Any:
         if index not in tensors:
-            spec = parsed.specs[index]
-            destination = destinations[spec.storage]
-            # In place: hand back the caller's own tensor object, not a new view.
-            in_place = destination.in_place
-            tensors[index] = in_place if isinstance(in_place, torch.Tensor) and not hasattr(
-                in_place, "_local_tensor"
-            ) else plain(index)
+            placement = destinations[parsed.specs[index].storage].placement
+            # In place: hand back the caller's own tensor object, not a new view
+            # (a DTensor target is rebuilt around its shard by make_dtensor).
+            if isinstance(placement, landing.InPlace | landing.InPlaceBounced) and placement.local is placement.target:
+                tensors[index] = placement.target
+            else:
+                tensors[index] = plain(index)
         return tensors[index]
 
     def make_dtensor(index: int, spec_obj: Any, requires_grad: bool) -> Any:
@@ -496,7 +419,7 @@ def _build(parsed: _Header, destinations: list[_Destination]) -> Any:
 
         # The caller's DTensor at this path, even when its bytes were not a
         # match: its live mesh is still worth reusing when the specs agree.
-        like = parsed.target_leaves.get(parsed.paths[index])
+        like = landed.plan.target_leaves.get(parsed.paths[index])
         return dtensor_codec.make_dtensor(plain(index), spec_obj, requires_grad, like=like)
 
     return tree.build_tree(parsed.header.skeleton, leaf, make_dtensor)
@@ -536,6 +459,15 @@ def paused_gc() -> Iterator[None]:
         gc.enable()
 
 
+def _landing_options(options: FetchOptions) -> landing.LandingOptions:
+    return landing.LandingOptions(
+        max_bytes=options.max_bytes,
+        device=options.device,
+        stages=options.staging.stages,
+        huge_pages=options.huge_pages,
+    )
+
+
 def _fetch(
     context: zmq.Context[Any],
     address: PeerAddress,
@@ -548,30 +480,36 @@ def _fetch(
 ) -> tuple[Any, TransferStats]:
     receiver = _Receiver(context, address, src_rank, step, timeout, options)
     started = time.monotonic()
+    landed: Landed | None = None
     try:
         receiver.request()
         parsed = receiver.receive_header()
         receiver.stats.header_seconds = time.monotonic() - started
-        destinations = receiver.destinations(parsed, targets)
-        unstager = RecvUnstager.borrow(options.staging, destinations)
+        # Refused (absurd sizes) before anything is allocated.
+        plan = landing.plan_landing(parsed, targets, _landing_options(options))
+        landed = land(plan, options.prefault_threads)
+        unstager = RecvUnstager.borrow(options.staging, landed.destinations)
         try:
-            receiver.receive_data(parsed.header, destinations, unstager)
+            receiver.receive_data(parsed.header, landed, unstager)
         finally:
             if unstager is not None:
                 # Every copy to the device has landed (or, on error, stopped)
                 # before this returns or raises.
                 unstager.close()
-        result = _build(parsed, destinations)
+        result = _build(parsed, landed)
     except BaseException:
         receiver.cancel()
         raise
     finally:
+        if landed is not None:
+            landed.close()
         receiver.close()
+    assert landed is not None
     stats = receiver.stats
     stats.seconds = time.monotonic() - started
     stats.bytes = parsed.header.total_bytes
     stats.in_place_bytes = sum(
-        n for n, d in zip(parsed.header.storages, destinations, strict=True) if d.in_place is not None
+        n for n, d in zip(parsed.header.storages, landed.destinations, strict=True) if d.in_place is not None
     )
     stats.tensors = len(parsed.specs)
     logger.info(
@@ -599,9 +537,7 @@ def fetch_header(
     try:
         receiver.request(header_only=True)
         parsed = receiver.receive_header()
-        message = receiver._recv_envelope("the end marker")
-        if message["op"] != wire.OP_END:
-            raise ProtocolError(f"expected the end marker, got {message['op']!r}")
+        receiver.receive_end()
         return parsed.header
     finally:
         receiver.close()
