@@ -25,7 +25,7 @@ import pytest
 import torch
 import zmq
 
-from zmqtransport import RemoteError, ZMQTransport, wire
+from zmqtransport import ConnectionLostError, RemoteError, ZMQTransport, wire
 
 LOOPBACK = "127.0.0.1"
 SLACK = 5.0  # seconds a bound may be exceeded by on a loaded 2-core machine
@@ -95,6 +95,7 @@ def _receive_then_die(metadata: str, step: int) -> None:
 
 
 def test_sender_killed_mid_transfer(spawn: mp.context.SpawnContext) -> None:
+    """The kernel closes a killed sender's connection: the receiver says so at once, not at the timeout."""
     out = spawn.Queue()
     sender = spawn.Process(target=_serve_forever, args=(3, out), daemon=True)
     sender.start()
@@ -107,18 +108,19 @@ def test_sender_killed_mid_transfer(spawn: mp.context.SpawnContext) -> None:
             killed.append(time.monotonic())
         assert done < total  # it died with most of the data unsent
 
-    timeout = 3.0
+    timeout = 60.0
     receiver: ZMQTransport[Any] = ZMQTransport(
         timedelta(seconds=timeout), bind_host=LOOPBACK, window=2, progress=kill_sender
     )
     try:
-        started = time.monotonic()
-        with pytest.raises(TimeoutError, match="timed out") as caught:
+        with pytest.raises(ConnectionLostError, match="connection lost") as caught:
             receiver.recv_checkpoint(0, metadata, 1, timedelta(seconds=timeout))
-        elapsed = time.monotonic() - started
         assert killed, "the transfer finished before the sender could be killed"
-        assert elapsed <= timeout + 1.0, f"raised after {elapsed:.2f} s"
+        detected = time.monotonic() - killed[0]
+        print(f"sender SIGKILLed mid-transfer: receiver raised {detected:.3f} s after the kill")
+        assert detected <= 10.0, f"raised {detected:.2f} s after the kill"  # a hang guard; measured ~0.1 s
         assert "step 1" in str(caught.value) and metadata.split("//")[1] in str(caught.value)
+        assert "rank 0" in str(caught.value)
         sender.join(10)
         assert sender.exitcode == -signal.SIGKILL
     finally:

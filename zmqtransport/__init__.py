@@ -7,7 +7,7 @@ frames under credit-based flow control. See docs/protocol.md.
 """
 
 from .contract import CheckpointTransport
-from .errors import IntegrityError, ProtocolError, RemoteError, TransportError
+from .errors import ConnectionLostError, IntegrityError, ProtocolError, RemoteError, StalledError, TransportError
 from .receiver import TransferStats
 from .transport import ZMQTransport
 from .wire import PROTOCOL_VERSION
@@ -15,9 +15,11 @@ from .wire import PROTOCOL_VERSION
 __all__ = [
     "PROTOCOL_VERSION",
     "CheckpointTransport",
+    "ConnectionLostError",
     "IntegrityError",
     "ProtocolError",
     "RemoteError",
+    "StalledError",
     "TransferStats",
     "TransportError",
     "ZMQTransport",

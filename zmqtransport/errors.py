@@ -1,7 +1,8 @@
 """Exception types raised by zmqtransport.
 
-Timeouts are reported with the builtin :class:`TimeoutError`, so callers that
-already handle torchft's transport timeouts need nothing new.
+Timeouts are reported with the builtin :class:`TimeoutError` (a stalled
+source with its subclass :class:`StalledError`), so callers that already
+handle torchft's transport timeouts need nothing new.
 """
 
 from __future__ import annotations
@@ -33,3 +34,11 @@ class RemoteError(TransportError):
 
 class IntegrityError(TransportError):
     """A received frame did not match the checksum the sender computed for it."""
+
+
+class ConnectionLostError(TransportError, ConnectionError):
+    """The connection to the source ended while receiving from it (process killed, host gone, reset)."""
+
+
+class StalledError(TimeoutError):
+    """The source sent nothing for ``stall_timeout`` in the middle of a transfer."""

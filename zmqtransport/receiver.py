@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, tree, wire
+from . import buffers, landing, liveness, tree, wire
 from .device import CPU, DeviceStaging, RecvUnstager, fresh_storage, tensor_bytes
-from .errors import IntegrityError, ProtocolError, RemoteError
+from .errors import ConnectionLostError, IntegrityError, ProtocolError, RemoteError, StalledError
 from .net import PeerAddress
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ class FetchOptions:
     staging: DeviceStaging = field(default_factory=DeviceStaging)  # pinned bounce buffers
     huge_pages: bool = False  # advise fresh storages to use transparent huge pages
     prefault_threads: int = 2  # threads faulting fresh storage in ahead of the data
+    # Fail a transfer whose source sends nothing for this long (seconds; None: only the timeout).
+    stall_timeout: float | None = None
 
 
 # ----------------------------------------------------------------------------- executing a landing plan
@@ -217,28 +219,40 @@ class _Receiver:
         # rebuild its ROUTER (forced release of a stalled receiver) can still
         # answer a request it parked before. Ids must not start with a zero byte.
         self.socket.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
+        liveness.configure_heartbeats(self.socket, options.stall_timeout)
         if options.configure is not None:
             options.configure(self.socket)
+        self.source = liveness.SourceWatch(self.socket, options.stall_timeout)
 
     # ----------------------------------------------------------------- socket helpers
 
     def _timed_out(self, waiting_for: str) -> TimeoutError:
         return TimeoutError(
-            f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for {waiting_for} "
-            f"from rank {self.src_rank} at {self.address.endpoint} (step {self.step})"
+            f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for {waiting_for} from {self._where()}"
         )
 
-    def _wait(self, waiting_for: str) -> None:
-        while not self.socket.poll(max(0, int((self.deadline - time.monotonic()) * 1000)) or 0):
-            if time.monotonic() >= self.deadline:
-                raise self._timed_out(waiting_for)
+    def _where(self) -> str:
+        return f"rank {self.src_rank} at {self.address.endpoint} (step {self.step})"
 
-    def _recv_envelope(self, waiting_for: str) -> dict[str, Any]:
+    def _wait(self, waiting_for: str, in_transfer: bool) -> None:
+        """Block until a message is ready; raise at the deadline, on a stall or a lost connection."""
+        outcome = self.source.wait(self.deadline, in_transfer)
+        if outcome is liveness.Wait.LOST:
+            raise ConnectionLostError(f"connection lost to {self._where()} while waiting for {waiting_for}")
+        if outcome is liveness.Wait.STALLED:
+            raise StalledError(
+                f"recv_checkpoint stalled: nothing from {self._where()} for {self.source.stall_timeout:.3g} s "
+                f"(stall_timeout) while waiting for {waiting_for}"
+            )
+        if outcome is liveness.Wait.DEADLINE:
+            raise self._timed_out(waiting_for)
+
+    def _recv_envelope(self, waiting_for: str, in_transfer: bool = False) -> dict[str, Any]:
         """Receive the first frame of the next message and check it is a valid reply."""
         try:
             frame = self.socket.recv(zmq.NOBLOCK)
         except zmq.Again:
-            self._wait(waiting_for)
+            self._wait(waiting_for, in_transfer)
             frame = self.socket.recv(zmq.NOBLOCK)
         message = wire.unpack(frame, wire.MAX_REQUEST_BYTES)
         wire.check_version(message, f"the sender at {self.address.endpoint}")
@@ -301,14 +315,15 @@ class _Receiver:
         progress = self.options.progress
         prefaulter = landed.prefaulter
         for seq, pieces in enumerate(chunks):
-            message = self._recv_envelope(f"data message {seq} of {len(chunks)}")
+            message = self._recv_envelope(f"data message {seq} of {len(chunks)}", in_transfer=True)
             if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
                 raise ProtocolError(f"expected data message {seq}, got {message.get('op')!r} {message.get('seq')!r}")
             bounced = unstager is not None and unstager.wants(pieces)
             payload = self._receive_payload(seq, pieces, landed, unstager if bounced else None)
             self._expect_no_more(f"data message {seq}")
             if header.checksum is not None and message.get("crc") != zlib.crc32(payload):
-                raise self._integrity_error(seq, pieces)
+                assert self.parsed is not None  # data only follows a validated header
+                raise _integrity_error(self.parsed, seq, pieces, self.address.endpoint, self.step)
             if unstager is not None and bounced:
                 unstager.deliver(pieces)
             unacknowledged += 1
@@ -350,33 +365,35 @@ class _Receiver:
         return payload
 
     def receive_end(self) -> None:
-        message = self._recv_envelope("the end of the transfer")
+        message = self._recv_envelope("the end of the transfer", in_transfer=True)
         if message["op"] != wire.OP_END:
             raise ProtocolError(f"expected the end marker, got {message['op']!r}")
         self._expect_no_more("the end marker")
-
-    def _integrity_error(self, seq: int, pieces: list[wire.Piece]) -> IntegrityError:
-        """Name the storages and the tensors (key paths) a corrupted data message carried."""
-        hit = sorted({piece.storage for piece in pieces})
-        parsed = self.parsed
-        assert parsed is not None  # data only follows a validated header
-        names = [
-            tree.format_path(parsed.paths[index])
-            for index, spec in enumerate(parsed.specs)
-            if spec.storage in hit and index in parsed.paths
-        ]
-        more = " ..." if len(names) > 8 else ""
-        return IntegrityError(
-            f"checksum mismatch in data message {seq} from {self.address.endpoint} "
-            f"(step {self.step}): storages {hit}, tensors {', '.join(names[:8]) or 'none'}{more}"
-        )
 
     def cancel(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
 
     def close(self) -> None:
+        self.source.close()
         self.socket.close(linger=0)
+
+
+def _integrity_error(
+    parsed: landing.ParsedHeader, seq: int, pieces: list[wire.Piece], endpoint: str, step: int
+) -> IntegrityError:
+    """Name the storages and the tensors (key paths) a corrupted data message carried."""
+    hit = sorted({piece.storage for piece in pieces})
+    names = [
+        tree.format_path(parsed.paths[index])
+        for index, spec in enumerate(parsed.specs)
+        if spec.storage in hit and index in parsed.paths
+    ]
+    more = " ..." if len(names) > 8 else ""
+    return IntegrityError(
+        f"checksum mismatch in data message {seq} from {endpoint} "
+        f"(step {step}): storages {hit}, tensors {', '.join(names[:8]) or 'none'}{more}"
+    )
 
 
 def _build(parsed: landing.ParsedHeader, landed: Landed) -> Any:

@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_PACK_BELOW = 64 * 1024
 DEFAULT_WINDOW = 16
+# Seconds a receive waits for the source's next data message, mid-transfer,
+# before it fails as stalled. Healthy transfers under load waited at most 0.33 s
+# (3 receivers x 1 GiB fresh on 2 cores, scripts/stall_gaps.py; docs/protocol.md,
+# "Dead and stalled sources"): 5 s leaves a wide margin.
+DEFAULT_STALL_TIMEOUT = 5.0
 
 
 class ZMQTransport(CheckpointTransport[T]):
@@ -86,6 +91,15 @@ class ZMQTransport(CheckpointTransport[T]):
             transparent huge pages. Faster where huge pages are cheap; slower
             on VMs whose host must back each one (docs/performance.md).
         progress: ``callback(bytes_done, bytes_total)`` called while receiving.
+        stall_timeout: once a transfer has started (the header arrived), a
+            receive whose source sends nothing for this long fails with
+            :class:`zmqtransport.StalledError` (a ``TimeoutError``), however
+            far off ``timeout`` still is; only time spent waiting for the
+            source counts. ``None`` turns the bound (and the ZMTP heartbeats
+            that notice a vanished host) off. A source whose connection ends
+            mid-transfer (process killed, reset) fails the receive with
+            :class:`zmqtransport.ConnectionLostError` at once, whatever this is.
+            See docs/protocol.md, "Dead and stalled sources".
         curve_secret: turn on CurveZMQ encryption and authentication with this
             job secret (at least 16 bytes; default ``$ZMQTRANSPORT_CURVE_SECRET``).
             Every rank given the same secret derives the same client key and
@@ -122,6 +136,7 @@ class ZMQTransport(CheckpointTransport[T]):
         prefault_threads: int = 2,
         huge_pages: bool = False,
         progress: ProgressCallback | None = None,
+        stall_timeout: timedelta | float | None = DEFAULT_STALL_TIMEOUT,
         curve_secret: str | bytes | None = None,
         curve_allowed_clients: Iterable[str | bytes] | None = None,
         curve_client_keypair: security.KeyPair | tuple[bytes, bytes] | None = None,
@@ -133,6 +148,9 @@ class ZMQTransport(CheckpointTransport[T]):
             raise ValueError("pack_below must be in [0, chunk_bytes]")
         if not 1 <= window <= wire.MAX_CREDIT:
             raise ValueError(f"window must be in [1, {wire.MAX_CREDIT}]")
+        stall_seconds = stall_timeout.total_seconds() if isinstance(stall_timeout, timedelta) else stall_timeout
+        if stall_seconds is not None and not stall_seconds > 0:
+            raise ValueError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._pack_below = pack_below
@@ -146,6 +164,7 @@ class ZMQTransport(CheckpointTransport[T]):
             progress=progress,
             prefault_threads=prefault_threads,
             huge_pages=huge_pages,
+            stall_timeout=stall_seconds,
         )
         self._staging = staging if staging is not None else DeviceStaging()
         self._fetch_options.device = fresh_device(device)  # before any socket exists
