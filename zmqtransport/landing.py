@@ -27,7 +27,11 @@ from typing import Any
 
 import torch
 
-from . import buffers, tree, wire
+from . import buffers, wire
+from .codec.dtensor import spec_matches
+from .codec.paths import KeyPath
+from .codec.skeleton import index_skeleton, iter_tensor_leaves
+from .codec.tensors import TensorSpec, decode_tensor_table
 from .device import CPU, can_fill
 from .errors import ProtocolError
 
@@ -37,16 +41,16 @@ class ParsedHeader:
     """A validated header with its tensor table and key paths decoded."""
 
     header: wire.Header
-    specs: list[tree.TensorSpec]
-    paths: dict[int, tree.KeyPath]
+    specs: list[TensorSpec]
+    paths: dict[int, KeyPath]
     dtensor_specs: dict[int, Any] = field(default_factory=dict)  # local tensor index -> spec
 
 
 def parse_header(header: wire.Header, allow_pickle: bool) -> ParsedHeader:
     """Decode and validate the tensor table and the skeleton of ``header``."""
-    specs = tree.decode_tensor_table(header.tensors, header.storages)
+    specs = decode_tensor_table(header.tensors, header.storages)
     dtensor_specs: dict[int, Any] = {}
-    paths = tree.index_skeleton(header.skeleton, len(specs), allow_pickle, dtensor_specs)
+    paths = index_skeleton(header.skeleton, len(specs), allow_pickle, dtensor_specs)
     return ParsedHeader(header, specs, paths, dtensor_specs)
 
 
@@ -83,7 +87,7 @@ class InArena:
 
     offset: int
     nbytes: int
-    exact: tree.TensorSpec | None
+    exact: TensorSpec | None
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ class Fresh:
     """A fresh CPU allocation; allocated as its only tensor when ``exact`` is set."""
 
     nbytes: int
-    exact: tree.TensorSpec | None
+    exact: TensorSpec | None
     huge_pages: bool
 
 
@@ -127,7 +131,7 @@ class LandingPlan:
     prefault: list[PrefaultRegion]
     # The caller's tensor leaves by key path (also the DTensors whose mesh a
     # fresh shard may reuse when the specs agree).
-    target_leaves: dict[tree.KeyPath, Any]
+    target_leaves: dict[KeyPath, Any]
     fresh_bytes: int  # bytes this receive allocates
 
 
@@ -153,7 +157,7 @@ def plan_landing(parsed: ParsedHeader, targets: Any, options: LandingOptions) ->
     """Decide where each storage of ``parsed`` lands; refuse absurd sizes (``ProtocolError``)."""
     storages = parsed.header.storages
     users = _users(parsed.specs)
-    leaves = dict(tree.iter_tensor_leaves(targets)) if targets is not None else {}
+    leaves = dict(iter_tensor_leaves(targets)) if targets is not None else {}
     chosen = _choose_in_place(parsed, users, leaves)
     fresh_bytes = sum(n for i, n in enumerate(storages) if i not in chosen)
     limit = options.max_bytes if options.max_bytes is not None else default_max_bytes()
@@ -190,7 +194,7 @@ def plan_landing(parsed: ParsedHeader, targets: Any, options: LandingOptions) ->
     return LandingPlan(ordered, arena, prefault, leaves, fresh_bytes)
 
 
-def _users(specs: list[tree.TensorSpec]) -> dict[int, list[int]]:
+def _users(specs: list[TensorSpec]) -> dict[int, list[int]]:
     """The tensors (indices) viewing each storage."""
     users: dict[int, list[int]] = {}
     for index, spec in enumerate(specs):
@@ -199,7 +203,7 @@ def _users(specs: list[tree.TensorSpec]) -> dict[int, list[int]]:
 
 
 def _choose_in_place(
-    parsed: ParsedHeader, users: dict[int, list[int]], leaves: dict[tree.KeyPath, Any]
+    parsed: ParsedHeader, users: dict[int, list[int]], leaves: dict[KeyPath, Any]
 ) -> dict[int, Any]:
     """The caller's target for each storage that can be received in place."""
     chosen: dict[int, Any] = {}
@@ -216,11 +220,9 @@ def _choose_in_place(
         # A DTensor shard goes only into a DTensor with the same spec: other
         # placements or another mesh would describe bytes it does not hold.
         dtensor_spec = parsed.dtensor_specs.get(index)
-        if dtensor_spec is not None or local is not target:
-            from . import dtensor_codec
-
-            if dtensor_spec is None or not dtensor_codec.spec_matches(target, dtensor_spec):
-                continue
+        dtensor_involved = dtensor_spec is not None or local is not target
+        if dtensor_involved and (dtensor_spec is None or not spec_matches(target, dtensor_spec)):
+            continue
         chosen[storage] = target
     return chosen
 
@@ -234,7 +236,7 @@ def _arena_layout(header: wire.Header, placed: dict[int, Placement]) -> ArenaLay
 
 
 def _arena_placements(
-    arena: ArenaLayout | None, specs: list[tree.TensorSpec], users: dict[int, list[int]]
+    arena: ArenaLayout | None, specs: list[TensorSpec], users: dict[int, list[int]]
 ) -> dict[int, InArena]:
     if arena is None:
         return {}
@@ -255,7 +257,7 @@ def local_tensor(target: Any) -> torch.Tensor | None:
     return target if isinstance(target, torch.Tensor) else None
 
 
-def _exact_spec(specs: list[tree.TensorSpec], users: list[int] | None, nbytes: int) -> tree.TensorSpec | None:
+def _exact_spec(specs: list[TensorSpec], users: list[int] | None, nbytes: int) -> TensorSpec | None:
     """The spec of a storage's only tensor when that tensor is exactly the whole storage."""
     if users is None or len(users) != 1:
         return None
@@ -263,7 +265,7 @@ def _exact_spec(specs: list[tree.TensorSpec], users: list[int] | None, nbytes: i
     return spec if _whole(spec, nbytes) else None
 
 
-def _whole(spec: tree.TensorSpec, nbytes: int) -> bool:
+def _whole(spec: TensorSpec, nbytes: int) -> bool:
     """Whether ``spec`` is exactly its ``nbytes``-byte storage: contiguous, from byte 0 to the end."""
     if spec.offset:
         return False
@@ -273,7 +275,7 @@ def _whole(spec: tree.TensorSpec, nbytes: int) -> bool:
     return spec.covers_whole_storage and spec.nbytes == nbytes
 
 
-def _fits(target: torch.Tensor, spec: tree.TensorSpec, storage_nbytes: int) -> bool:
+def _fits(target: torch.Tensor, spec: TensorSpec, storage_nbytes: int) -> bool:
     return (
         _whole(spec, storage_nbytes)  # first: no torch attribute access
         and target.dtype == spec.dtype

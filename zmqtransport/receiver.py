@@ -27,32 +27,18 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, liveness, tree, wire
+from . import buffers, landing, liveness, wire
+from .codec import dtensor
+from .codec.paths import format_path
+from .codec.skeleton import build_tree
 from .device import CPU, DeviceStaging, RecvUnstager, fresh_storage, tensor_bytes
 from .errors import ConnectionLostError, IntegrityError, ProtocolError, RemoteError, StalledError
 from .net import PeerAddress
+from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
-
-
-@dataclass
-class TransferStats:
-    """What the last transfer moved; read it from :attr:`ZMQTransport.last_recv_stats`."""
-
-    peer: str
-    step: int
-    bytes: int = 0
-    in_place_bytes: int = 0
-    tensors: int = 0
-    messages: int = 0
-    seconds: float = 0.0
-    header_seconds: float = 0.0
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -385,7 +371,7 @@ def _integrity_error(
     """Name the storages and the tensors (key paths) a corrupted data message carried."""
     hit = sorted({piece.storage for piece in pieces})
     names = [
-        tree.format_path(parsed.paths[index])
+        format_path(parsed.paths[index])
         for index, spec in enumerate(parsed.specs)
         if spec.storage in hit and index in parsed.paths
     ]
@@ -432,14 +418,12 @@ def _build(parsed: landing.ParsedHeader, landed: Landed) -> Any:
         return tensors[index]
 
     def make_dtensor(index: int, spec_obj: Any, requires_grad: bool) -> Any:
-        from . import dtensor_codec
-
         # The caller's DTensor at this path, even when its bytes were not a
         # match: its live mesh is still worth reusing when the specs agree.
         like = landed.plan.target_leaves.get(parsed.paths[index])
-        return dtensor_codec.make_dtensor(plain(index), spec_obj, requires_grad, like=like)
+        return dtensor.make_dtensor(plain(index), spec_obj, requires_grad, like=like)
 
-    return tree.build_tree(parsed.header.skeleton, leaf, make_dtensor)
+    return build_tree(parsed.header.skeleton, leaf, make_dtensor)
 
 
 def fetch(
