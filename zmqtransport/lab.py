@@ -426,11 +426,17 @@ def tcp_transfer(lab: Lab, source: int, sink: int, nbytes: int, nic: int = 0, ti
         port = sink_process.stdout.readline().strip()
         if not port:
             raise LabError("the TCP sink did not start")
-        lab.run(source, [python, "-c", _TCP_SOURCE, lab.address(sink, nic), port, str(nbytes), str(timeout)], timeout)
-        out, _ = sink_process.communicate(timeout=timeout)
+        argv = [python, "-c", _TCP_SOURCE, lab.address(sink, nic), port, str(nbytes), str(timeout)]
+        # ``timeout`` bounds each socket wait; the processes get time to start on top.
+        source_run = lab.run(source, argv, timeout + _COMMAND_TIMEOUT_S, capture_output=True, text=True)
+        if source_run.returncode != 0:
+            raise LabError(f"the TCP source failed: {source_run.stderr.strip().splitlines()[-1:]}")
+        out, _ = sink_process.communicate(timeout=timeout + _COMMAND_TIMEOUT_S)
     finally:
         if sink_process.poll() is None:
             sink_process.kill()
             sink_process.wait(_STOP_GRACE_S)
-    received, seconds = out.split()
-    return TcpResult(int(received), float(seconds))
+    fields = out.split()
+    if len(fields) != 2:
+        raise LabError(f"the TCP sink did not finish: {out!r}")
+    return TcpResult(int(fields[0]), float(fields[1]))

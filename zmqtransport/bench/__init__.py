@@ -30,7 +30,17 @@ source uploaded. Peak RSS is the rise of ``VmHWM`` over the timed region.
 from __future__ import annotations
 
 from .command import available_requirements, build_parser, main, scenarios_from_args
-from .config import LAB_PRESETS, LOOPBACK_PRESETS, PRESETS, Knobs, LabSpec, Scenario, parse_size
+from .config import (
+    LAB_PRESETS,
+    LOOPBACK_PRESETS,
+    PRESETS,
+    Knobs,
+    LabSpec,
+    Scenario,
+    numpy_available,
+    parse_size,
+    torchft_available,
+)
 from .methods import METHODS, Method
 from .runner import BenchError, ScenarioResult, run_scenario
 
@@ -48,7 +58,9 @@ __all__ = [
     "available_requirements",
     "build_parser",
     "main",
+    "numpy_available",
     "parse_size",
     "run_scenario",
     "scenarios_from_args",
+    "torchft_available",
 ]

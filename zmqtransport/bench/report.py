@@ -157,7 +157,8 @@ def format_lab_result(result: ScenarioResult) -> str:
     if nics > 1:
         header.append("per NIC MiB")
     rows = [header] + [_lab_row(result, entry, ideal) for entry in result.summary.values()]
-    lines = [_title(result), f"ideal: {_seconds(ideal)} s (state bytes / the nominal rate of one receiver's NICs together)"]
+    explained = "state bytes / the nominal rate of one receiver's NICs together"
+    lines = [_title(result), f"ideal: {_seconds(ideal)} s ({explained})"]
     return "\n".join([*lines, *_table(rows), *_notes(result)])
 
 
