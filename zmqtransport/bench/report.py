@@ -141,8 +141,11 @@ def _ideal_s(result: ScenarioResult) -> float:
 def _lab_row(result: ScenarioResult, entry: MethodSummary, ideal: float) -> list[str]:
     total = result.scenario.total_bytes
     sent = sum(entry.source_sent)
-    row = [entry.method, _seconds(entry.slowest_s), _seconds(entry.fastest_s)]
-    row += [f"{entry.slowest_s / ideal:.2f}", f"{entry.fastest_s / ideal:.2f}"]
+    if result.scenario.receivers == 1:
+        row = [entry.method, _seconds(entry.slowest_s), f"{entry.slowest_s / ideal:.2f}"]
+    else:
+        row = [entry.method, _seconds(entry.slowest_s), _seconds(entry.fastest_s)]
+        row += [f"{entry.slowest_s / ideal:.2f}", f"{entry.fastest_s / ideal:.2f}"]
     row += [f"{sent / _MIB:.1f}", f"{sent / total:.2f}"]
     if len(entry.source_sent) > 1:
         row.append("/".join(f"{nic / _MIB:.0f}" for nic in entry.source_sent))
@@ -152,7 +155,11 @@ def _lab_row(result: ScenarioResult, entry: MethodSummary, ideal: float) -> list
 def format_lab_result(result: ScenarioResult) -> str:
     """The lab table: receiver times against the link-bound ideal, and the source's upload."""
     ideal = _ideal_s(result)
-    header = ["method", "slowest s", "fastest s", "slowest/ideal", "fastest/ideal", "source sent MiB", "sent/state"]
+    if result.scenario.receivers == 1:
+        header = ["method", "seconds", "x ideal"]
+    else:
+        header = ["method", "slowest s", "fastest s", "slowest x ideal", "fastest x ideal"]
+    header += ["source sent MiB", "sent/state"]
     nics = result.scenario.lab.nics if result.scenario.lab is not None else 1
     if nics > 1:
         header.append("per NIC MiB")
