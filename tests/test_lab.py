@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +22,6 @@ from zmqtransport.lab import Lab, Shaping, build_plan, remove_leftovers, tcp_tra
 
 REASON = lab_module.unavailable_reason()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-ROOT = Path(__file__).resolve().parents[1]
 MINE = f"{lab_module.NAME_ROOT}{os.getpid()}x"
 
 
@@ -119,8 +117,7 @@ def test_removed_on_sigterm() -> None:
             time.sleep(30)
         """
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
         prefix = child.stdout.readline().strip()
@@ -186,7 +183,7 @@ print(seconds, flush=True)
 @needs_lab
 def test_zmq_transport_between_two_hosts_is_bit_exact_and_link_bound() -> None:
     nbytes = 4 * (1 << 18) * 4 + 1000 * 8
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with Lab(hosts=2, nics=1, rate_mbit=100) as lab:
         sender = lab.popen(
             0,

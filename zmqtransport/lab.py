@@ -216,7 +216,9 @@ def _install_hooks() -> None:
     if _Hooks.installed:
         return
     atexit.register(_close_all)
-    if threading.current_thread() is threading.main_thread():
+    # Signal handlers can only be set from the main thread; a process that ignores SIGTERM keeps ignoring it.
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
         _Hooks.previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
     _Hooks.installed = True
 
