@@ -85,6 +85,7 @@ class _Child:
         return self.reply(timeout)
 
     def stop(self) -> None:
+        self.conn.close()  # a child still waiting for a command sees the end of its pipe and exits
         self.process.join(5.0)
         if self.process.is_alive():
             self.process.terminate()
