@@ -7,13 +7,14 @@ frames under credit-based flow control. See docs/protocol.md.
 """
 
 from .contract import CheckpointTransport
-from .errors import IntegrityError, ProtocolError, RemoteError, TransportError
+from .errors import BindError, IntegrityError, ProtocolError, RemoteError, TransportError
 from .receiver import TransferStats
 from .transport import ZMQTransport
 from .wire import PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "BindError",
     "CheckpointTransport",
     "IntegrityError",
     "ProtocolError",
