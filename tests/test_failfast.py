@@ -43,6 +43,18 @@ UNRESOLVABLE = "nohost.invalid"  # .invalid never resolves (RFC 2606)
 RealThread = threading.Thread  # some tests replace threading.Thread for the code under test
 
 
+# Every context a test makes stays referenced: a context whose socket was left
+# open would otherwise hang the garbage collector (pyzmq terminates a context
+# when it is collected, and term() waits for the open socket).
+_CONTEXTS: list[zmq.Context[Any]] = []
+
+
+def new_context() -> zmq.Context[Any]:
+    context: zmq.Context[Any] = zmq.Context()
+    _CONTEXTS.append(context)
+    return context
+
+
 def call_bounded(fn: Callable[[], Any], seconds: float = HANG_S) -> tuple[Any, BaseException | None, float]:
     """Run ``fn`` in a daemon thread; fail the test if it has not returned or raised after ``seconds``."""
     outcome: dict[str, Any] = {}
@@ -171,7 +183,7 @@ def test_construction_after_failures_still_works(busy_port: int) -> None:
 
 @pytest.mark.usefixtures("nothing_left")
 def test_bind_helper_closes_the_socket_it_could_not_bind(busy_port: int) -> None:
-    context: zmq.Context[Any] = zmq.Context()
+    context = new_context()
     router = context.socket(zmq.ROUTER)
     error = expect_error(lambda: sockets.bind(router, LOOPBACK, busy_port), BindError)
     assert error.errno == errno.EADDRINUSE and isinstance(error.__cause__, zmq.ZMQError)
@@ -181,7 +193,7 @@ def test_bind_helper_closes_the_socket_it_could_not_bind(busy_port: int) -> None
 
 @pytest.mark.usefixtures("nothing_left")
 def test_server_closes_its_socket_when_configuring_it_fails() -> None:
-    context: zmq.Context[Any] = zmq.Context()
+    context = new_context()
 
     def refuse(sock: zmq.Socket[Any]) -> None:
         raise ValueError("bad key")
@@ -199,21 +211,21 @@ def test_server_releases_socket_and_pipe_when_its_thread_cannot_start(monkeypatc
             super().start()
 
     monkeypatch.setattr(sender.threading, "Thread", Unstartable)
-    context: zmq.Context[Any] = zmq.Context()
+    context = new_context()
     expect_error(lambda: sender.Server(context, LOOPBACK, 0, 1.0), RuntimeError)
     assert sockets.terminate(context, HANG_S), "the ROUTER was left open"
 
 
 @pytest.mark.usefixtures("nothing_left")
 def test_server_bind_failure_closes_everything(busy_port: int) -> None:
-    context: zmq.Context[Any] = zmq.Context()
+    context = new_context()
     expect_error(lambda: sender.Server(context, LOOPBACK, busy_port, 1.0), BindError)
     assert sockets.terminate(context, HANG_S), "the ROUTER was left open"
 
 
 @pytest.mark.usefixtures("nothing_left")
 def test_fetch_closes_its_socket_when_configuring_it_fails() -> None:
-    context: zmq.Context[Any] = zmq.Context()
+    context = new_context()
 
     def refuse(sock: zmq.Socket[Any]) -> None:
         raise ValueError("CURVE is not available in this libzmq")
@@ -227,7 +239,7 @@ def test_fetch_closes_its_socket_when_configuring_it_fails() -> None:
 
 @pytest.mark.usefixtures("nothing_left")
 def test_zap_handler_that_cannot_start_leaves_no_socket() -> None:
-    context: zmq.Context[Any] = zmq.Context()
+    context = new_context()
     allowed = frozenset({security.generate_keypair().public})
     first = security.ZapHandler(context, allowed)
     try:
