@@ -100,7 +100,9 @@ def nothing_left(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
         time.sleep(0.01)  # a thread that was told to stop may need a moment to exit
     assert not _our_threads() - threads, f"threads left running: {_our_threads() - threads}"
     assert not _open_fds() - fds, "file descriptors left open"
-    assert "left open" not in caplog.text, caplog.text
+    # get_records: caplog.text here would hold the teardown's records only.
+    left_open = [r.getMessage() for r in caplog.get_records("call") if "left open" in r.getMessage()]
+    assert not left_open, left_open
 
 
 @pytest.fixture
