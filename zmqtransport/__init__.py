@@ -12,7 +12,7 @@ from . import _torch_import  # noqa: F401
 # isort: split
 from .contract import CheckpointTransport
 from .errors import BindError, IntegrityError, ProtocolError, RemoteError, TransportError
-from .receiver import TransferStats
+from .stats import TransferStats
 from .transport import ZMQTransport
 from .wire import PROTOCOL_VERSION
 

@@ -34,10 +34,10 @@ from typing import Any
 import zmq
 
 from . import sockets, wire
+from .codec.tensors import EncodedTree
 from .device import DeviceStaging, SendPlan, SendStager
 from .errors import ProtocolError
-from .receiver import TransferStats
-from .tree import EncodedTree
+from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
