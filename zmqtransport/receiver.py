@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, liveness, wire
+from . import buffers, landing, liveness, sockets, wire
 from .codec import dtensor
 from .codec.paths import format_path
 from .codec.skeleton import build_tree
@@ -197,18 +197,25 @@ class _Receiver:
         self.xfer = random.getrandbits(63)
         self.stats = TransferStats(peer=address.endpoint, step=step)
         self.parsed: landing.ParsedHeader | None = None  # set once the header is validated
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.IPV6, 1)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+        # Closed again if configuring it fails (a bad key, say): a socket left
+        # open would make the transport's shutdown wait forever in Context.term().
+        self.socket = sockets.new_socket(context, zmq.DEALER, self._configure)
+        try:
+            self.source = liveness.SourceWatch(self.socket, options.stall_timeout)  # before connecting
+        except BaseException:
+            self.socket.close(linger=0)
+            raise
+
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
         # An explicit routing id survives a reconnect, so a sender that had to
         # rebuild its ROUTER (forced release of a stalled receiver) can still
         # answer a request it parked before. Ids must not start with a zero byte.
-        self.socket.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
-        liveness.configure_heartbeats(self.socket, options.stall_timeout)
-        if options.configure is not None:
-            options.configure(self.socket)
-        self.source = liveness.SourceWatch(self.socket, options.stall_timeout)
+        sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
+        liveness.configure_heartbeats(sock, self.options.stall_timeout)
+        if self.options.configure is not None:
+            self.options.configure(sock)
 
     # ----------------------------------------------------------------- socket helpers
 

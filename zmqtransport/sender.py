@@ -33,7 +33,7 @@ from typing import Any
 
 import zmq
 
-from . import wire
+from . import sockets, wire
 from .codec.tensors import EncodedTree
 from .device import DeviceStaging, SendPlan, SendStager
 from .errors import ProtocolError
@@ -152,16 +152,20 @@ class Server:
         self._wake_lock = threading.Lock()
         self._wake_closed = False
         self._wake_read, self._wake_write = os.pipe()
+        try:
+            self._bind_and_start(bind_host, port, staging)
+        except BaseException:
+            # Nothing half-built may outlive a failed construction: an open
+            # socket would make the owner's Context.term() wait forever.
+            self._release()
+            raise
+
+    def _bind_and_start(self, bind_host: str, port: int, staging: DeviceStaging | None) -> None:
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._router = self._make_router()
-        host = "*" if bind_host in ("", "*", "0.0.0.0", "::") else bind_host  # noqa: S104 - normalising the wildcard
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        self._router.bind(f"tcp://{host}:{port or '*'}")
-        endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.port = int(endpoint.rsplit(":", 1)[1])
-        self._bind_endpoint = f"tcp://{host}:{self.port}"
+        self.port = sockets.bind(self._router, bind_host, port)  # closes the socket if it fails
+        self._bind_endpoint = sockets.bind_endpoint(bind_host, self.port)
         self._staged: Staged | None = None
         self._transfers: dict[tuple[bytes, int], Transfer] = {}
         self._pending: list[Pending] = []
@@ -179,6 +183,15 @@ class Server:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"zmqtransport-serve-{self.port}", daemon=True)
         self._thread.start()
+
+    def _release(self) -> None:
+        """Undo a construction that failed before the serving thread started."""
+        router: zmq.Socket[Any] | None = getattr(self, "_router", None)
+        if router is not None:
+            router.close(linger=0)
+        self._wake_closed = True
+        os.close(self._wake_read)
+        os.close(self._wake_write)
 
     # ------------------------------------------------------------------ called from any thread
 
@@ -224,15 +237,15 @@ class Server:
     # ------------------------------------------------------------------ serving thread
 
     def _make_router(self) -> zmq.Socket[Any]:
-        router: zmq.Socket[Any] = self._context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
+        return sockets.new_socket(self._context, zmq.ROUTER, self._configure_router)
+
+    def _configure_router(self, router: zmq.Socket[Any]) -> None:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # raise instead of dropping frames
         router.setsockopt(zmq.SNDHWM, _SNDHWM)
         router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REQUEST_BYTES)
         router.setsockopt(zmq.IPV6, 1)
         if self._configure is not None:
             self._configure(router)
-        return router
 
     def _run(self) -> None:
         poller = zmq.Poller()
