@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import math
 import time
 from typing import Any
@@ -52,6 +53,10 @@ HEARTBEAT_IVL = 1.0
 HEARTBEAT_MARGIN = 1.0
 
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# Monitor endpoints are named by a counter, not by the socket's descriptor
+# (pyzmq's default): a descriptor is reused as soon as a socket is gone, while
+# libzmq may not have released the old inproc name yet.
+_monitor_ids = itertools.count()
 
 
 class ConnectionState:
@@ -92,7 +97,8 @@ class SourceWatch:
     def __init__(self, socket: zmq.Socket[Any], stall_timeout: float | None) -> None:
         self._socket = socket
         self.stall_timeout = stall_timeout
-        self._monitor: zmq.Socket[Any] = socket.get_monitor_socket(_EVENTS)
+        address = f"inproc://zmqtransport-monitor-{next(_monitor_ids)}"
+        self._monitor: zmq.Socket[Any] = socket.get_monitor_socket(_EVENTS, address)
         self.state = ConnectionState()
         self._poller = zmq.Poller()
         self._poller.register(socket, zmq.POLLIN)
