@@ -82,6 +82,52 @@ def _madvise() -> Any:
     return libc.madvise
 
 
+# glibc raises its mmap threshold to the size of any mmapped block the process
+# frees (up to this, on 64-bit), and its trim threshold to twice that.
+GLIBC_DYNAMIC_MMAP_MAX = 32 * 1024 * 1024
+
+
+@functools.cache
+def settle_malloc_thresholds() -> bool:
+    """Let glibc keep libzmq's receive buffers mapped between messages (once per process).
+
+    libzmq mallocs a buffer for every large message it receives, in its I/O
+    thread, and the receive loop frees it after copying the bytes out. In a
+    fresh process glibc's thresholds are still at their start values (mmap
+    above 128 KiB, give the heap's top back above 128 KiB): each time the
+    receive loop drained the queue, the I/O thread's arena was trimmed and the
+    next window of messages faulted its buffers in again. Measured on 1 GiB
+    in place as 1 MiB messages: 40,000 to 110,000 page faults and 0.1 to 0.2
+    CPU-seconds of a 0.4 to 1.2 s receive. Allocating and freeing one block
+    of 32 MiB moves the thresholds exactly where glibc itself moves them after
+    any process frees a block that size (a PyTorch process usually has): mmap
+    above 32 MiB, trim above 64 MiB; they stay dynamic. The block is never
+    touched. Returns whether it was done (glibc only; a process whose
+    thresholds were set with ``mallopt`` keeps them, as glibc itself would).
+    """
+    if not _glibc():
+        return False
+    libc = ctypes.CDLL(None)
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free.restype = None
+    # Just below the maximum, so that the block's chunk (size plus header,
+    # page-rounded) still counts for the dynamic rule.
+    block = libc.malloc(GLIBC_DYNAMIC_MMAP_MAX - 2 * PAGE)
+    if not block:
+        return False
+    libc.free(block)
+    return True
+
+
+def _glibc() -> bool:
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
 class Prefaulter:
     """Fault fresh receive memory in on worker threads, ahead of the data.
 

@@ -443,6 +443,7 @@ def fetch(
     targets: Any = None,
 ) -> tuple[Any, TransferStats]:
     """Fetch ``step`` from the peer at ``address``; see :meth:`ZMQTransport.recv_checkpoint`."""
+    buffers.settle_malloc_thresholds()  # once per process; see there
     with paused_gc():
         return _fetch(context, address, src_rank=src_rank, step=step, timeout=timeout, options=options, targets=targets)
 

@@ -1,0 +1,143 @@
+"""Profile one cold receive: a fresh receiver process, its first recv_checkpoint.
+
+A sender process stages a state dict once; each trial spawns a fresh receiver
+process that imports, builds its transport (and, in place, its own touched
+tensors), then times its first receive with the process's resource counters
+(minor page faults, user and system CPU of all its threads, context switches)
+and, with ``--cprofile``, a cProfile of the receiving thread.
+
+    PYTHONPATH=$PWD python scripts/cold_profile.py --mode fresh --trials 3
+    PYTHONPATH=$PWD python scripts/cold_profile.py --mode inplace --cprofile 25
+    PYTHONPATH=$PWD python scripts/cold_profile.py --mode fresh --perf /tmp/perf.data
+
+``--perf`` records the receiver with ``perf record -g`` over its receive only.
+Extra ``ZMQTransport`` options: ``--option window=32`` (both sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import multiprocessing as mp
+import os
+import pstats
+import resource
+import signal
+import subprocess
+import time
+from datetime import timedelta
+from typing import Any
+
+TIMEOUT = timedelta(seconds=120)
+
+
+def _options(pairs: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        name, _, raw = pair.partition("=")
+        options[name] = int(raw) if raw.lstrip("-").isdigit() else raw == "true" if raw in ("true", "false") else raw
+    return options
+
+
+def sender(conn: Any, sizes: list[int], options: dict[str, Any]) -> None:
+    import torch
+
+    from zmqtransport import ZMQTransport
+
+    state = {f"layer{i:06d}.weight": torch.full((n // 4,), float(i), dtype=torch.float32) for i, n in enumerate(sizes)}
+    transport: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host="127.0.0.1", advertise_host="127.0.0.1", **options)
+    transport.send_checkpoint([1], 1, state, TIMEOUT)
+    conn.send(transport.metadata())
+    conn.recv()  # until the parent is done
+    transport.shutdown()
+
+
+def _usage() -> tuple[float, float, int, int, int]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime, ru.ru_stime, ru.ru_minflt, ru.ru_nvcsw, ru.ru_nivcsw
+
+
+def receiver(conn: Any, sizes: list[int], metadata: str, mode: str, profile: int, perf: str, options: dict) -> None:
+    import torch
+
+    from zmqtransport import ZMQTransport
+
+    state = None
+    if mode == "inplace":
+        targets = {f"layer{i:06d}.weight": torch.full((n // 4,), -1.0, dtype=torch.float32) for i, n in enumerate(sizes)}
+        state = targets
+    transport: ZMQTransport[Any] = ZMQTransport(
+        TIMEOUT, bind_host="127.0.0.1", advertise_host="127.0.0.1", state_dict=(lambda: state) if state else None, **options
+    )
+    recorder = None
+    if perf:
+        recorder = subprocess.Popen(["perf", "record", "-g", "-q", "-o", perf, "-p", str(os.getpid())])
+        time.sleep(1.0)  # perf attaches
+    profiler = cProfile.Profile() if profile else None
+    before = _usage()
+    started = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    result = transport.recv_checkpoint(0, metadata, 1, TIMEOUT)
+    if profiler is not None:
+        profiler.disable()
+    seconds = time.perf_counter() - started
+    after = _usage()
+    if recorder is not None:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait()
+    assert len(result) == len(sizes)
+    text = ""
+    if profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(profile)
+        text = out.getvalue()
+    delta = [b - a for a, b in zip(before, after, strict=True)]
+    conn.send((seconds, delta, text))
+    transport.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["fresh", "inplace"], default="fresh")
+    parser.add_argument("--count", type=int, default=256)
+    parser.add_argument("--tensor", type=int, default=4 << 20)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--cprofile", type=int, default=0, help="print the top N functions of the last trial")
+    parser.add_argument("--perf", default="", help="perf.data path (last trial)")
+    parser.add_argument("--settle", type=float, default=1.0)
+    parser.add_argument("--option", action="append", default=[])
+    args = parser.parse_args()
+    options = _options(args.option)
+    sizes = [args.tensor] * args.count
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    source = ctx.Process(target=sender, args=(child, sizes, options))
+    source.start()
+    metadata = parent.recv()
+    try:
+        for trial in range(args.trials):
+            last = trial == args.trials - 1
+            here, there = ctx.Pipe()
+            profile = args.cprofile if last else 0
+            perf = args.perf if last else ""
+            proc = ctx.Process(target=receiver, args=(there, sizes, metadata, args.mode, profile, perf, options))
+            proc.start()
+            seconds, (user, system, faults, vol, invol), text = here.recv()
+            proc.join()
+            print(
+                f"{args.mode} trial {trial}: {seconds:.3f} s, cpu user {user:.3f} sys {system:.3f}, "
+                f"minor faults {faults}, ctx switches {vol}+{invol}",
+                flush=True,
+            )
+            if text:
+                print(text)
+            time.sleep(args.settle)
+    finally:
+        parent.send("done")
+        source.join()
+
+
+if __name__ == "__main__":
+    main()
