@@ -58,11 +58,18 @@ def _usage() -> tuple[float, float, int, int, int]:
     return ru.ru_utime, ru.ru_stime, ru.ru_minflt, ru.ru_nvcsw, ru.ru_nivcsw
 
 
-def receiver(conn: Any, sizes: list[int], metadata: str, mode: str, profile: int, perf: str, options: dict) -> None:
+def receiver(
+    conn: Any, sizes: list[int], metadata: str, mode: str, profile: int, perf: str, options: dict, sets: list
+) -> None:
+    import importlib
+
     import torch
 
     from zmqtransport import ZMQTransport
 
+    for name, value in sets:  # experiments: module constants set in the receiver only
+        module, _, attr = name.rpartition(".")
+        setattr(importlib.import_module(f"zmqtransport.{module}"), attr, value)
     state = None
     if mode == "inplace":
         targets = {f"layer{i:06d}.weight": torch.full((n // 4,), -1.0, dtype=torch.float32) for i, n in enumerate(sizes)}
@@ -108,8 +115,10 @@ def main() -> None:
     parser.add_argument("--perf", default="", help="perf.data path (last trial)")
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument("--option", action="append", default=[])
+    parser.add_argument("--set", action="append", default=[], help="module.CONSTANT=int in the receiver")
     args = parser.parse_args()
     options = _options(args.option)
+    sets = list(_options(args.set).items())
     sizes = [args.tensor] * args.count
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -122,7 +131,7 @@ def main() -> None:
             here, there = ctx.Pipe()
             profile = args.cprofile if last else 0
             perf = args.perf if last else ""
-            proc = ctx.Process(target=receiver, args=(there, sizes, metadata, args.mode, profile, perf, options))
+            proc = ctx.Process(target=receiver, args=(there, sizes, metadata, args.mode, profile, perf, options, sets))
             proc.start()
             seconds, (user, system, faults, vol, invol), text = here.recv()
             proc.join()

@@ -64,6 +64,7 @@ def test_json_with_two_receivers() -> None:
     for trial in scenario["trials"]:
         assert len(trial["seconds"]) == 2  # one cold time per receiver
         assert len(trial["warm_seconds"]) == 2  # and one warm time (--warm)
+        assert len(trial["recv_cpu"]) == 2 and all(cpu > 0 for cpu in trial["recv_cpu"])  # CPU of each cold receive
     # Every tensor of an in-place receive landed in the receiver's own tensors.
     assert scenario["summary"]["zmq-inplace"]["in_place_tensors"] == 16
     assert scenario["summary"]["zmq-bare"]["in_place_tensors"] == 16
@@ -113,3 +114,46 @@ def test_bad_arguments_fail_cleanly() -> None:
         bench.main(["--methods", "carrier-pigeon", *TINY])
     with pytest.raises(SystemExit):
         bench.main(["--device", "cuda"])
+
+
+def _summary(method: str, ratios: dict[str, float]) -> bench.runner.MethodSummary:
+    return bench.runner.MethodSummary(method, 1.0, 1.0, None, 1.0, 1.0, 0, 0, 0.0, 0, [], ratios=ratios)
+
+
+def test_issue16_targets_follow_the_scenario_shape() -> None:
+    from zmqtransport.bench.config import Scenario
+    from zmqtransport.bench.report import format_targets
+    from zmqtransport.bench.runner import ScenarioResult
+    from zmqtransport.bench.targets import evaluate_targets
+
+    large = ScenarioResult(
+        Scenario("custom", 1 << 30, 4 << 20),
+        [],
+        {
+            "zmq-inplace": _summary("zmq-inplace", {"zmq-bare": 0.95, "http-4": 1.1}),
+            "zmq-fresh": _summary("zmq-fresh", {"http-4": 1.0, "http": 1.6}),
+        },
+        1.0,
+        True,
+    )
+    small = ScenarioResult(
+        Scenario("small", 80 << 20, 4 << 10), [], {"zmq-fresh": _summary("zmq-fresh", {"http": 9.0})}, 1.0, True
+    )
+    fanout = ScenarioResult(
+        Scenario("fanout", 1 << 30, 4 << 20, receivers=3),
+        [],
+        {"zmq-fresh": _summary("zmq-fresh", {"http": 1.2, "http-4": 0.5})},
+        1.0,
+        True,
+    )
+    cold = [t for t in evaluate_targets([large, small, fanout]) if t.issue == 16]
+    verdicts = {(t.scenario, t.text): (t.limit, t.holds) for t in cold}
+    assert verdicts == {
+        ("custom", "zmq-inplace speed / zmq-bare"): (0.9, True),
+        ("custom", "zmq-inplace speed / http-4"): (1.2, False),
+        ("custom", "zmq-fresh speed / http-4"): (1.0, True),
+        ("custom", "zmq-fresh speed / http"): (1.5, True),
+        ("small", "zmq-fresh speed / http"): (10.0, False),
+        ("fanout", "zmq-fresh slowest / http slowest speed"): (1.0, True),
+    }
+    assert "targets (issue 16, measured cold):" in format_targets(cold)

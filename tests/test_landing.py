@@ -248,3 +248,41 @@ def test_recv_exact_refuses_a_frame_of_another_size() -> None:
         b.close(0)
     finally:
         context.term()
+
+
+_MALLOC_PROBE = """
+import ctypes, sys
+from zmqtransport import buffers
+
+libc = ctypes.CDLL(None)
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+
+def mmapped(nbytes):
+    # glibc marks a chunk served by its own mmap with bit 0x2 of the size word before it.
+    block = libc.malloc(nbytes)
+    flag = bool(ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 2)
+    libc.free(block)
+    return flag
+
+before = mmapped(1 << 20)
+done = buffers.settle_malloc_thresholds()
+# Freeing that block raised the threshold to 1 MiB only: 16 MiB is mmapped unless settled.
+print(before, done, mmapped(16 << 20), buffers.settle_malloc_thresholds() is done)
+"""
+
+
+def test_malloc_thresholds_let_megabyte_buffers_come_from_the_heap() -> None:
+    """libzmq's large receive buffers: mmapped (fresh pages every time) in a fresh process, heap after."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "confstr") or os.confstr("CS_GNU_LIBC_VERSION") is None:
+        pytest.skip("glibc only")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("GLIBC_TUNABLES", None)
+    done = subprocess.run([sys.executable, "-c", _MALLOC_PROBE], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "False", "True"]

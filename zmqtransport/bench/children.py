@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.server
 import logging
 import os
+import resource
 import time
 import traceback
 import warnings
@@ -113,6 +114,12 @@ def sender_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place
         sender.close()
 
 
+def _cpu_seconds() -> float:
+    """User and system CPU of every thread of this process so far (libzmq's I/O thread included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class ReceiverProcess:
     """One fresh process, one method: builds its receiving side, then times its receives."""
 
@@ -141,9 +148,11 @@ class ReceiverProcess:
     def _receive_once(self, step: int) -> dict[str, Any]:
         assert self.receiving is not None
         meter = PeakMeter()
+        cpu_before = _cpu_seconds()
         started = time.perf_counter()
         tensors = self.receiving.receive(step)
         seconds = time.perf_counter() - started
+        cpu = _cpu_seconds() - cpu_before
         growth = meter.growth()
         in_place = 0
         if self.knobs.verify:
@@ -152,7 +161,7 @@ class ReceiverProcess:
             in_place = sum(1 for t in tensors if t.untyped_storage().data_ptr() in owned)
         del tensors
         release_free_memory()
-        return {"seconds": seconds, "rss": growth, "in_place": in_place, "resettable": meter.resettable}
+        return {"seconds": seconds, "cpu": cpu, "rss": growth, "in_place": in_place, "resettable": meter.resettable}
 
     def close(self) -> None:
         if self.receiving is not None:

@@ -119,13 +119,13 @@ def format_result(result: ScenarioResult) -> str:
     header = ["method", "cold slowest s" if multi else "cold s"]
     header += ["fastest s", "slow/fast"] if multi else []
     header += ["warm s"] if scenario.warm else []
-    header += ["GB/s", *(f"x {a}" for a in anchors), "send +MiB", "recv +MiB"]
+    header += ["GB/s", *(f"x {a}" for a in anchors), "recv cpu s", "send +MiB", "recv +MiB"]
     rows = [header]
     for method, entry in result.summary.items():
         row = [method, _seconds(entry.slowest_s)]
         row += [_seconds(entry.fastest_s), f"{entry.spread:.2f}"] if multi else []
         row += [_seconds(entry.warm_slowest_s or 0.0)] if scenario.warm else []
-        row += [f"{entry.gbps:.3g}", *(f"{entry.ratios[a]:.2f}" for a in anchors)]
+        row += [f"{entry.gbps:.3g}", *(f"{entry.ratios[a]:.2f}" for a in anchors), _seconds(entry.recv_cpu_s)]
         row += [f"{entry.send_rss_max / _MIB:.0f}", f"{entry.recv_rss_max / _MIB:.0f}"]
         rows.append(row)
     return "\n".join([_title(result), *_table(rows), *_notes(result)])
@@ -170,8 +170,12 @@ def format_lab_result(result: ScenarioResult) -> str:
 
 
 def format_targets(targets: Sequence[Target]) -> str:
-    lines = ["targets (issue 4, measured cold):"]
+    previous = 0
+    lines: list[str] = []
     for target in targets:
+        if not lines or target.issue != previous:
+            lines.append(f"targets (issue {target.issue}, measured cold):")
+            previous = target.issue
         relation = ">=" if target.higher_is_better else "<="
         verdict = "holds" if target.holds else "MISSED"
         lines.append(

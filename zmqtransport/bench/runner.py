@@ -125,6 +125,7 @@ class Trial:
     stage_seconds: float
     in_place: list[int]
     source_sent: list[int]  # bytes per source NIC during the trial (lab only)
+    recv_cpu: list[float] = field(default_factory=list)  # per receiver: CPU seconds of its cold receive
 
 
 @dataclass
@@ -140,6 +141,7 @@ class MethodSummary:
     stage_s: float
     in_place_tensors: int
     source_sent: list[int]  # median bytes per source NIC (lab only)
+    recv_cpu_s: float = 0.0  # median over trials of the busiest receiver's CPU seconds (all its threads)
     ratios: dict[str, float] = field(default_factory=dict)
 
 
@@ -204,6 +206,7 @@ class _Run:
             stage_seconds,
             [o["in_place"] for o in cold],
             [b - a for a, b in zip(before, after, strict=True)],
+            [o["cpu"] for o in cold],
         )
 
     def close(self) -> None:
@@ -259,6 +262,7 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             stage_s=statistics.median(t.stage_seconds for t in mine),
             in_place_tensors=min(min(t.in_place) for t in mine),
             source_sent=[int(statistics.median(t.source_sent[nic] for t in mine)) for nic in range(nics)],
+            recv_cpu_s=statistics.median(max(t.recv_cpu, default=0.0) for t in mine),
         )
     anchors = [m for m in summary if METHODS[m].anchor]
     for entry in summary.values():

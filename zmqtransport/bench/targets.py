@@ -1,4 +1,4 @@
-"""The performance targets of issue 4, checked wherever a run measured what they need."""
+"""The performance targets of issues 4 and 16, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ class Target:
     measured: float
     limit: float
     higher_is_better: bool
+    issue: int = 4
 
     @property
     def holds(self) -> bool:
@@ -22,7 +23,47 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issue 4, wherever the run measured what they need."""
+    """The performance targets of issues 4 and 16, wherever the run measured what they need."""
+    return _issue4_targets(results) + _issue16_targets(results)
+
+
+# Issue 16 (cold-process speed): (method, anchor, minimum ratio of anchor seconds / method seconds).
+_ONE_RECEIVER_LARGE = (
+    ("zmq-inplace", "zmq-bare", 0.9),
+    ("zmq-inplace", "http-4", 1.2),
+    ("zmq-fresh", "http-4", 1.0),
+    ("zmq-fresh", "http", 1.5),
+)
+_ONE_RECEIVER_SMALL = (("zmq-fresh", "http", 10.0),)
+_SEVERAL_RECEIVERS = (("zmq-fresh", "http", 1.0),)  # slowest receiver against http's slowest
+_SMALL_TENSOR_BYTES = 64 << 10  # below pack_below: tensors travel packed
+
+
+def _issue16_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Cold ratios on loopback: large tensors, many small tensors, several fresh receivers."""
+    targets: list[Target] = []
+    for result in results:
+        scenario = result.scenario
+        if scenario.lab is not None or scenario.total_bytes < 64 << 20:
+            continue
+        several = scenario.receivers > 1
+        checks: tuple[tuple[str, str, float], ...]
+        if several:
+            checks = _SEVERAL_RECEIVERS
+        elif scenario.tensor_bytes < _SMALL_TENSOR_BYTES:
+            checks = _ONE_RECEIVER_SMALL
+        else:
+            checks = _ONE_RECEIVER_LARGE
+        for method, anchor, limit in checks:
+            entry = result.summary.get(method)
+            if entry is None or anchor not in entry.ratios:
+                continue
+            text = f"{method} slowest / {anchor} slowest speed" if several else f"{method} speed / {anchor}"
+            targets.append(Target(scenario.name, text, entry.ratios[anchor], limit, True, 16))
+    return targets
+
+
+def _issue4_targets(results: Sequence[ScenarioResult]) -> list[Target]:
     targets: list[Target] = []
     mib = float(1 << 20)
 
