@@ -7,7 +7,7 @@ frames under credit-based flow control. See docs/protocol.md.
 """
 
 from .contract import CheckpointTransport
-from .errors import IntegrityError, ProtocolError, RemoteError, TransportError
+from .errors import IntegrityError, ProtocolError, RemoteError, TransportError, VersionMismatchError
 from .receiver import TransferStats
 from .transport import ZMQTransport
 from .wire import PROTOCOL_VERSION
@@ -20,6 +20,7 @@ __all__ = [
     "RemoteError",
     "TransferStats",
     "TransportError",
+    "VersionMismatchError",
     "ZMQTransport",
 ]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 Threading contract:
 
 * construction binds one ROUTER socket and starts one serving thread that
-  alone uses it (:mod:`zmqtransport.sender`);
+  alone uses it (:mod:`zmqtransport.serve`);
 * ``send_checkpoint`` and ``disallow_checkpoint`` may be called from any
   thread; they hand work to the serving thread and never touch its socket;
 * ``recv_checkpoint`` runs in the calling thread with a DEALER socket of its
@@ -28,7 +28,7 @@ from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device, prepare_send
 from .net import PeerAddress, choose_advertise_host, parse_metadata
 from .receiver import FetchOptions, ProgressCallback, TransferStats, fetch, fetch_header, paused_gc
-from .sender import Server, Staged
+from .serve import Server, Staged
 
 T = TypeVar("T")
 

@@ -1,0 +1,342 @@
+"""The sending side's socket owner: one ROUTER socket served by one thread.
+
+Threading: :class:`Server` owns its ROUTER socket; only the serving thread ever
+touches it. Other threads talk to it through :meth:`Server.stage`,
+:meth:`Server.disallow` and :meth:`Server.stop`, which put a command (a small
+dataclass) on a queue and wake the thread through a pipe that the poller watches.
+
+What to send and when to give up is decided by the pure
+:class:`~zmqtransport.serve.scheduler.Scheduler`; this module reads requests,
+feeds them to it with the time, and carries out the actions it returns.
+
+Zero copy: data frames that cover a single storage reference the tensor memory
+(``copy=False``) and are tracked; :meth:`disallow` returns only once libzmq has
+released every one of them. A receiver that stops reading cannot hold that up
+past the timeout: the socket is then closed with ``linger=0`` (which frees every
+queued frame) and bound again on the same port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from .. import wire
+from ..device import DeviceStaging, SendStager
+from ..errors import ProtocolError
+from ..receiver import TransferStats
+from .frames import HeldFrames
+from .pump import DataPump
+from .router import Configure, Router
+from .scheduler import Abort, Action, Finish, Key, Refuse, Scheduler, SendHeader, Transfer
+from .staged import Staged
+
+# The sending side logs under one name, as it did before it was split in modules.
+logger = logging.getLogger("zmqtransport.sender")
+
+_SENT_HISTORY = 256  # finished sends remembered for sent_since()
+# Seconds.
+DISALLOW_POLL = 0.005  # how often a waiting disallow checks the zero-copy frames
+DISALLOW_GRACE = 30.0  # beyond the timeout: the forced release and the rebind
+SHUTDOWN_FRAME_WAIT = 5.0  # at shutdown, the wait for libzmq to release frames
+
+
+@dataclass(frozen=True)
+class StageCommand:
+    staged: Staged
+
+
+@dataclass(frozen=True)
+class DisallowCommand:
+    done: threading.Event  # set once no staged memory is referenced any more
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    pass
+
+
+Command = StageCommand | DisallowCommand | StopCommand
+
+
+class WakePipe:
+    """A pipe the serving thread polls, so other threads can wake it."""
+
+    def __init__(self) -> None:
+        # Guards the pipe: the thread closes it on exit, and a write to a
+        # closed (and possibly reused) descriptor must never happen.
+        self._lock = threading.Lock()
+        self._closed = False
+        self.fd, self._write = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write, False)
+
+    def wake(self) -> None:
+        with self._lock:
+            if not self._closed:
+                with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
+                    os.write(self._write, b"x")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fd, 4096):
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            os.close(self.fd)
+            os.close(self._write)
+
+
+class SentLog:
+    """Finished sends (newest last, bounded) and how many there were in all.
+
+    Written by the serving thread, read by any: the lock keeps the pair consistent.
+    """
+
+    def __init__(self, history: int = _SENT_HISTORY) -> None:
+        self._recent: deque[TransferStats] = deque(maxlen=history)
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def record(self, stats: TransferStats) -> None:
+        with self._lock:
+            self._recent.append(stats)
+            self._count += 1
+
+    def since(self, cursor: int) -> tuple[int, list[TransferStats]]:
+        with self._lock:
+            count, recent = self._count, list(self._recent)
+        fresh = max(0, count - max(cursor, 0))
+        return count, recent[len(recent) - min(fresh, len(recent)) :]
+
+
+class Server:
+    """Serves staged checkpoints on one ROUTER socket from one thread."""
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        bind_host: str,
+        port: int,
+        timeout: float,
+        configure: Configure | None = None,
+        *,
+        staging: DeviceStaging | None = None,
+    ) -> None:
+        self._timeout = timeout
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._wake = WakePipe()
+        self._router = Router(context, bind_host, port, configure)
+        self.port = self._router.port
+        self._scheduler = Scheduler(timeout)
+        self._held: HeldFrames[zmq.MessageTracker] = HeldFrames()
+        # Device memory goes out through the stager's pinned ring; the serving
+        # thread alone uses it, its side streams included (device.py).
+        self._stager = SendStager(staging if staging is not None else DeviceStaging())
+        self._pump = DataPump(self._scheduler, self._router, self._stager, self._held)
+        self._sent = SentLog()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"zmqtransport-serve-{self.port}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ called from any thread
+
+    def stage(self, staged: Staged) -> None:
+        self._command(StageCommand(staged))
+
+    def disallow(self) -> None:
+        """Block until nothing staged is referenced by libzmq (at most ~timeout + a grace)."""
+        done = threading.Event()
+        self._command(DisallowCommand(done))
+        # The thread forces the release at the timeout; the grace covers the rebind.
+        deadline = time.monotonic() + self._timeout + DISALLOW_GRACE
+        while not done.wait(0.1):
+            if not self._thread.is_alive():
+                return  # it closed the socket and waited for its frames on the way out
+            if time.monotonic() > deadline:
+                raise TimeoutError("disallow_checkpoint timed out waiting for the serving thread")
+
+    def stop(self, wait: bool) -> None:
+        if self._thread.is_alive():
+            self._command(StopCommand())
+        if wait:
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def sent_since(self, cursor: int) -> tuple[int, list[TransferStats]]:
+        """Sends finished after the first ``cursor`` ones, and the cursor to pass next time."""
+        return self._sent.since(cursor)
+
+    def _command(self, command: Command) -> None:
+        self._commands.put(command)
+        self._wake.wake()
+
+    # ------------------------------------------------------------------ serving thread
+
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self._router.socket, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
+        return poller
+
+    def _run(self) -> None:
+        poller = self._poller()
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self._wake.fd in events:
+                    self._wake.drain()
+                    self._run_commands()
+                    if self._stopping:
+                        break
+                if self._router.socket in events:
+                    self._read_requests()
+                self._execute(self._pump.run())
+                if self._housekeeping():
+                    poller = self._poller()  # the socket was rebuilt
+        except Exception:
+            logger.exception("zmqtransport serving thread failed")
+        finally:
+            self._shutdown_in_thread()
+
+    def _poll_timeout_ms(self) -> int:
+        seconds = self._scheduler.wakeup_in(time.monotonic())
+        if self._held.waiting:
+            seconds = min(seconds, DISALLOW_POLL)
+        return 0 if seconds <= 0 else max(1, int(seconds * 1000) + 1)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            match command:
+                case StageCommand(staged):
+                    self._execute(self._scheduler.stage(staged, time.monotonic()))
+                case DisallowCommand(done):
+                    self._on_disallow(done)
+                case StopCommand():
+                    self._stopping = True
+
+    def _on_disallow(self, done: threading.Event) -> None:
+        self._execute(self._scheduler.disallow())
+        # Device tensors must not be read once disallow returns: drop every lane
+        # and wait for the copies already issued (a few chunks at most).
+        self._stager.retain(())
+        self._stager.synchronize()
+        self._held.wait(done, time.monotonic() + self._timeout)
+
+    def _read_requests(self) -> None:
+        for peer, address, frames in self._router.read():
+            if len(frames) != 1:
+                self._execute([Refuse(peer, 0, wire.ERR_BAD_REQUEST, "expected one envelope frame")])
+                continue
+            try:
+                request = wire.decode_request(frames[0].buffer)
+            except ProtocolError as exc:
+                logger.warning("bad request from %s: %s", address, exc)
+                self._execute([Refuse(peer, 0, exc.code, str(exc))])
+                continue
+            self._execute(self._scheduler.on_request(peer, request, address, time.monotonic()))
+
+    def _execute(self, actions: list[Action]) -> None:
+        """Carry out what the scheduler decided, telling it about messages that could not go out."""
+        undelivered: set[Key] = set()  # headers that did not go out: nothing follows them
+        for action in actions:
+            match action:
+                case SendHeader():
+                    if not self._router.send(action.peer, [wire.header_envelope(action.xfer), action.header_body]):
+                        undelivered.add(action.key)
+                        self._scheduler.undelivered(action, time.monotonic())
+                    elif action.header_only:
+                        self._router.send(action.peer, [wire.end_reply(action.xfer)])
+                case Refuse():
+                    reply = wire.error_reply(action.xfer, action.code, action.message)
+                    if not self._router.send(action.peer, [reply]):
+                        self._scheduler.undelivered(action, time.monotonic())
+                case Abort(transfer, code, message):
+                    step, address = transfer.staged.step, transfer.address
+                    logger.warning("aborting transfer of step %d to %s: %s", step, address, message)
+                    self._router.send(transfer.peer, [wire.error_reply(transfer.xfer, code, message)])
+                case Finish(transfer, seconds):
+                    if transfer.key not in undelivered:
+                        self._finish(transfer, seconds)
+
+    def _finish(self, transfer: Transfer, seconds: float) -> None:
+        self._router.send(transfer.peer, [wire.end_reply(transfer.xfer)])
+        self._sent.record(_served(transfer, seconds))
+
+    def _housekeeping(self) -> bool:
+        """Expire waits and stalls, progress disallows. Returns True if the socket was rebuilt."""
+        now = time.monotonic()
+        self._execute(self._scheduler.expire(now))
+        self._stager.retain(self._scheduler.transfers)
+        if not self._held.poll(now):
+            return False
+        logger.warning(
+            "a receiver still holds %d zero-copy frames after %.1f s; closing the socket to release them",
+            len(self._held.trackers),
+            self._timeout,
+        )
+        # Requests already read by libzmq but not yet by us would die with the
+        # socket: take them first (nothing is staged, so fetches are parked).
+        self._read_requests()
+        self._router.rebind()
+        self._scheduler.rebound(time.monotonic())
+        return True
+
+    def _shutdown_in_thread(self) -> None:
+        self._execute(self._scheduler.shutdown())
+        self._router.close()
+        for tracker in self._held.trackers:
+            try:
+                tracker.wait(SHUTDOWN_FRAME_WAIT)
+            except zmq.NotDone:
+                break
+        try:
+            self._stager.close()  # no device copy may outlive the thread
+        except Exception:
+            logger.exception("zmqtransport: synchronising device copies at shutdown failed")
+        self._held.release_waiters()
+        self._wake.close()
+
+
+def _served(transfer: Transfer, seconds: float) -> TransferStats:
+    """Log a finished transfer (one INFO line) and describe it."""
+    seconds = max(seconds, 1e-9)
+    staged = transfer.staged
+    nbytes = staged.total_bytes
+    logger.info(
+        "served step %d to %s: %d bytes in %.3f s (%.2f GB/s)",
+        staged.step,
+        transfer.address,
+        nbytes,
+        seconds,
+        nbytes / seconds / 1e9,
+    )
+    return TransferStats(
+        peer=transfer.address,
+        step=staged.step,
+        bytes=nbytes,
+        tensors=len(staged.tree.tensors),
+        messages=staged.messages,
+        seconds=seconds,
+    )
+
+
+__all__ = ["Server", "Staged"]
