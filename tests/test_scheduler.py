@@ -183,7 +183,7 @@ def test_at_most_max_transfers_run_at_once(net: Net) -> None:
 
 
 def test_per_peer_limit_for_requests_arriving_while_staged(net: Net) -> None:
-    net.scheduler = Scheduler(TIMEOUT, Limits(transfers_per_peer=2))
+    net.scheduler = Scheduler(TIMEOUT, limits=Limits(transfers_per_peer=2))
     net.execute(net.scheduler.stage(staged(), net.now))
     for xfer in range(3):
         net.request(b"a", fetch(xfer=xfer, credit=1))
@@ -420,38 +420,122 @@ class FakeTracker:
     done: bool = False
 
 
-def test_held_frames_release_waiters_when_libzmq_lets_go() -> None:
-    held: HeldFrames[FakeTracker] = HeldFrames()
-    trackers = [FakeTracker() for _ in range(3)]
-    for tracker in trackers:
-        held.track(tracker)
+A, B = (b"a", 1), (b"b", 1)
+STALL = 2.0
+
+
+def test_held_frames_release_waiters_when_pinned_frames_are_released() -> None:
+    held: HeldFrames[FakeTracker] = HeldFrames(STALL)
+    pinned = [FakeTracker() for _ in range(3)]
+    for tracker in pinned:
+        held.track(A, tracker, pinned=True, now=0.0)
+    held.track(A, FakeTracker(), pinned=False, now=0.0)  # a copy: no reason to wait
     done = threading.Event()
     held.wait(done, deadline=10.0)
-    assert not held.poll(1.0) and not done.is_set() and held.waiting
-    for tracker in trackers:
+    assert held.poll(0.5) == set() and not done.is_set() and held.waiting
+    pinned[0].done = True
+    assert held.poll(0.6) == {A} and not done.is_set()
+    for tracker in pinned:
         tracker.done = True
-    assert not held.poll(2.0)
-    assert done.is_set() and not held.waiting and held.trackers == []
+    held.poll(0.7)
+    assert done.is_set() and not held.waiting and held.pinned == 0
+
+
+def test_held_frames_report_progress_per_transfer() -> None:
+    held: HeldFrames[FakeTracker] = HeldFrames(STALL)
+    a, b = FakeTracker(), FakeTracker()
+    held.track(A, a, pinned=False, now=0.0)
+    held.track(B, b, pinned=True, now=0.0)
+    b.done = True
+    assert held.poll(1.0) == {B}
+    a.done = True
+    assert held.poll(1.1) == {A}
+    assert held.poll(1.2) == set() and held.trackers() == []
+
+
+def test_frames_of_a_stuck_receiver_are_freed_once_nothing_runs() -> None:
+    held: HeldFrames[FakeTracker] = HeldFrames(STALL)
+    held.track(A, FakeTracker(), pinned=True, now=0.0)
+    assert not held.must_close(STALL, transfers_running=False)  # exactly the bound: not yet
+    assert not held.must_close(STALL + 0.1, transfers_running=True)  # others would lose data
+    assert held.must_close(STALL + 0.1, transfers_running=False)
+    held.socket_closed()
+    assert not held.must_close(STALL + 5, transfers_running=False)  # once: libzmq is freeing them
+
+
+def test_a_progressing_receiver_is_waited_for_a_stuck_one_is_not() -> None:
+    held: HeldFrames[FakeTracker] = HeldFrames(STALL)
+    stuck = FakeTracker()
+    held.track(A, stuck, pinned=True, now=0.0)
+    reading = [FakeTracker() for _ in range(10)]
+    for tracker in reading:
+        held.track(B, tracker, pinned=True, now=0.0)
+    done = threading.Event()
+    held.wait(done, deadline=100.0)
+    now = 0.0
+    for tracker in reading[:-1]:  # B takes one frame every second: slow, never stuck
+        now += 1.0
+        tracker.done = True
+        held.poll(now)
+        assert not held.must_close(now, transfers_running=False), now
+    reading[-1].done = True
+    held.poll(now + 1.0)
+    assert held.must_close(now + 1.0, transfers_running=False)  # only A is left, stuck for 10 s
 
 
 def test_held_frames_ask_for_one_forced_release_at_the_deadline() -> None:
-    held: HeldFrames[FakeTracker] = HeldFrames()
+    held: HeldFrames[FakeTracker] = HeldFrames(stall=1000.0)
     stuck = FakeTracker()
-    held.track(stuck)
+    held.track(A, stuck, pinned=True, now=0.0)
     done = threading.Event()
     held.wait(done, deadline=10.0)
-    assert not held.poll(9.99)
-    assert held.poll(10.0)  # close the socket
-    assert not held.poll(10.5)  # once: the close is under way
-    assert not done.is_set()
+    assert not held.must_close(9.99, transfers_running=False)
+    assert held.must_close(10.0, transfers_running=False)
+    assert not held.must_close(10.5, transfers_running=False)
     stuck.done = True
     held.poll(10.6)
     assert done.is_set()
 
 
-def test_held_frames_without_waiters_are_just_forgotten_when_done() -> None:
-    held: HeldFrames[FakeTracker] = HeldFrames()
-    held.track(FakeTracker(done=True))
-    held.track(FakeTracker())
-    assert not held.poll(100.0)
-    assert len(held.trackers) == 1
+# ----------------------------------------------------------------------------- liveness
+
+
+def test_released_frames_count_as_progress_against_the_stall_bound() -> None:
+    net = Net(Scheduler(TIMEOUT, stall=STALL))
+    net.execute(net.scheduler.stage(staged(messages=100), net.now))
+    net.request(b"a", fetch(credit=2))
+    net.pump()
+    for _ in range(5):  # no credit, but libzmq keeps releasing its frames: slow, not stalled
+        net.now += STALL * 0.9
+        net.scheduler.progress({(b"a", 1)}, net.now)
+        net.tick(0)
+    assert net.ops(b"a") == [("header", None)]
+    net.tick(STALL + 0.01)
+    assert net.ops(b"a") == [("header", None), ("error", wire.ERR_STALLED)]
+
+
+def test_stall_bound_is_separate_from_and_at_most_the_timeout() -> None:
+    assert Scheduler(TIMEOUT, stall=STALL).stall == STALL
+    assert Scheduler(TIMEOUT, stall=TIMEOUT * 2).stall == TIMEOUT
+    assert Scheduler(TIMEOUT).stall == TIMEOUT
+    net = Net(Scheduler(TIMEOUT, stall=STALL))
+    net.execute(net.scheduler.stage(staged(messages=100), net.now))
+    net.request(b"a", fetch(credit=1))
+    net.pump()
+    assert net.scheduler.wakeup_in(net.now + STALL - 0.5) == pytest.approx(0.5)  # the stall, not the timeout
+    net.tick(STALL + 0.01)
+    assert net.ops(b"a") == [("header", None), ("error", wire.ERR_STALLED)]
+
+
+def test_a_closed_connection_drops_its_transfers_but_keeps_parked_requests(net: Net) -> None:
+    net.request(b"a", fetch(xfer=1))  # parked: nothing staged yet
+    assert net.scheduler.disconnected(b"a") == []
+    assert [p.key for p in net.scheduler.parked] == [(b"a", 1)]  # its DEALER may reconnect
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.request(b"a", fetch(xfer=2))
+    net.request(b"b", fetch(xfer=2))
+    gone = net.scheduler.disconnected(b"a")
+    assert sorted(t.xfer for t in gone) == [1, 2]
+    assert set(net.scheduler.transfers) == {(b"b", 2)}
+    net.pump()
+    assert net.data(b"a") == [] and net.data(b"b") == [0, 1, 2, 3]

@@ -37,15 +37,30 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_PACK_BELOW = 64 * 1024
 DEFAULT_WINDOW = 16
+# A peer that shows no progress for this long is stalled (see ZMQTransport, stall_timeout).
+DEFAULT_STALL_TIMEOUT = timedelta(seconds=5)
 
 
 class ZMQTransport(CheckpointTransport[T]):
     """Serve and fetch training state over ZeroMQ, without pickle.
 
     Args:
-        timeout: the transport timeout. A receiver that grants no credit for
-            this long is dropped, and ``disallow_checkpoint`` never waits longer
-            than this for receivers to let go of the staged memory.
+        timeout: the transport timeout: bounds a whole receive, and
+            ``disallow_checkpoint`` never waits longer than this for receivers
+            to let go of the staged memory.
+        stall_timeout: the stall bound (``timedelta`` or seconds; default 5 s;
+            ``None``: the transport timeout), distinct from ``timeout``, which
+            a large checkpoint on a slow link may need to be long. When sending,
+            a receiver that neither grants credit nor takes data for this long
+            is stalled: its transfer is dropped (error ``stalled``), and the
+            zero-copy frames queued for it are released by closing and
+            rebinding the socket as soon as no progressing receiver would lose
+            data, at the latest when ``disallow_checkpoint`` is called, which
+            then does not wait for it. A receiver that makes progress, however
+            slowly, is never cut. It must exceed the time one data message
+            (``chunk_bytes``) takes on the slowest link. A receiver whose
+            connection closes (process killed, connection reset) is dropped at
+            once. See docs/protocol.md, "Liveness".
         bind_host: interface to listen on; ``"*"`` (default) means all of them.
         port: TCP port to listen on; 0 (default) picks a free one.
         advertise_host: the host put in :meth:`metadata`. Default: see
@@ -106,6 +121,7 @@ class ZMQTransport(CheckpointTransport[T]):
         self,
         timeout: timedelta,
         *,
+        stall_timeout: timedelta | float | None = DEFAULT_STALL_TIMEOUT,
         bind_host: str = "*",
         port: int = 0,
         advertise_host: str | None = None,
@@ -133,6 +149,9 @@ class ZMQTransport(CheckpointTransport[T]):
             raise ValueError("pack_below must be in [0, chunk_bytes]")
         if not 1 <= window <= wire.MAX_CREDIT:
             raise ValueError(f"window must be in [1, {wire.MAX_CREDIT}]")
+        stall_seconds = _seconds_or_none(stall_timeout)
+        if stall_seconds is not None and not stall_seconds > 0:
+            raise ValueError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._pack_below = pack_below
@@ -174,6 +193,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 timeout.total_seconds(),
                 configure=configure,
                 staging=self._staging,
+                stall=stall_seconds,
             )
         except BaseException:
             if self._zap is not None:
@@ -335,6 +355,16 @@ class ZMQTransport(CheckpointTransport[T]):
 
     def __repr__(self) -> str:
         return f"ZMQTransport({self.metadata()!r})"
+
+
+def _seconds_or_none(value: timedelta | float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a timedelta, seconds or None, got {type(value).__name__}")
+    return float(value)
 
 
 register_with_torchft(ZMQTransport)

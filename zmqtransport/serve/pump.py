@@ -72,14 +72,16 @@ class DataPump:
             payload, references_tensor = staged.payload(seq)
         envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload))
         try:
-            tracker = self._router.send_data(transfer.peer, envelope, payload, references_tensor)
+            # Every frame is tracked: its release tells that the receiver takes data.
+            tracker = self._router.send_data(transfer.peer, envelope, payload, track=True)
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the peer is gone; EAGAIN: it ignored flow control.
             logger.warning("dropping transfer to %s step %d: %s", transfer.address, staged.step, exc)
             self._scheduler.drop(transfer)
             return []
-        if references_tensor and tracker is not None:
-            self._held.track(tracker)
+        now = time.monotonic()
+        if tracker is not None:
+            self._held.track(key, tracker, pinned=references_tensor, now=now)
         if staged_view is not None:
             self._stager.sent(key, seq, tracker)  # the buffer is reused once libzmq lets go
-        return self._scheduler.sent(transfer, time.monotonic())
+        return self._scheduler.sent(transfer, now)

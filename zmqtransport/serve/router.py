@@ -5,12 +5,14 @@ Used only by the serving thread (:mod:`zmqtransport.serve.server`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .. import wire
 
@@ -35,7 +37,12 @@ def bind_host(host: str) -> str:
 
 
 class Router:
-    """One ROUTER socket bound to a fixed port; :meth:`rebind` replaces it on the same port."""
+    """One ROUTER socket bound to a fixed port; :meth:`rebind` replaces it on the same port.
+
+    A socket monitor reports closed connections (a receiver killed, a connection
+    reset) by file descriptor; each request's source descriptor (``ZMQ_SRCFD``)
+    maps it to the routing ids that used that connection.
+    """
 
     def __init__(self, context: zmq.Context[Any], host: str, port: int, configure: Configure | None) -> None:
         self._context = context
@@ -46,6 +53,8 @@ class Router:
         endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.port = int(endpoint.rsplit(":", 1)[1])
         self._endpoint = f"tcp://{host}:{self.port}"
+        self.monitor = self._monitor()
+        self._peer_fds: dict[bytes, int] = {}  # routing id -> descriptor of its connection
 
     def _make(self) -> zmq.Socket[Any]:
         router: zmq.Socket[Any] = self._context.socket(zmq.ROUTER)
@@ -58,6 +67,16 @@ class Router:
             self._configure(router)
         return router
 
+    def _monitor(self) -> zmq.Socket[Any]:
+        monitor: zmq.Socket[Any] = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        return monitor
+
+    def _close_monitor(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self._peer_fds.clear()
+
     def read(self) -> Iterator[tuple[bytes, str, list[zmq.Frame]]]:
         """Waiting requests as (routing id, peer address, frames after the routing id)."""
         for _ in range(READ_BATCH):
@@ -65,7 +84,30 @@ class Router:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            yield frames[0].bytes, _peer_address(frames[-1]), frames[1:]
+            peer = frames[0].bytes
+            with contextlib.suppress(zmq.ZMQError):  # ZMQ_SRCFD is deprecated: without it, stalls still catch the dead
+                self._peer_fds[peer] = int(frames[-1].get(zmq.SRCFD))
+            yield peer, _peer_address(frames[-1]), frames[1:]
+
+    def disconnected(self) -> list[bytes]:
+        """Routing ids whose connection closed since the last call.
+
+        Read before any request (the serving thread does): libzmq reports a
+        closed connection before it closes the descriptor, so a request that
+        arrives on a new connection reusing that number is mapped afterwards.
+        """
+        peers: list[bytes] = []
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return peers
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            gone = [peer for peer, fd in self._peer_fds.items() if fd == event["value"]]
+            for peer in gone:
+                del self._peer_fds[peer]
+            peers += gone
 
     def send(self, peer: bytes, frames: list[Any]) -> bool:
         """Send a small message; False if the peer is not connected (or not reading)."""
@@ -85,6 +127,7 @@ class Router:
 
     def rebind(self) -> None:
         """Drop every queued frame by closing the socket, then listen again on the same port."""
+        self._close_monitor()
         self.socket.close(linger=0)
         deadline = time.monotonic() + REBIND_DEADLINE
         while True:
@@ -98,9 +141,11 @@ class Router:
                 time.sleep(REBIND_RETRY)
                 continue
             self.socket = router
+            self.monitor = self._monitor()
             return
 
     def close(self) -> None:
+        self._close_monitor()
         self.socket.close(linger=0)
 
 

@@ -49,7 +49,7 @@ class Transfer:
     credit: int
     address: str
     started: float
-    last_progress: float  # when credit last arrived (or the transfer started)
+    last_progress: float  # when credit last arrived, libzmq last released a frame, or it started
     next_seq: int = 0
 
     @property
@@ -132,8 +132,10 @@ Action = Refuse | Abort | SendHeader | Finish
 class Scheduler:
     """Transfers, parked requests, credit and stall deadlines of one server."""
 
-    def __init__(self, timeout: float, limits: Limits | None = None) -> None:
-        self.timeout = timeout  # a transfer without credit for this long is dropped
+    def __init__(self, timeout: float, stall: float | None = None, limits: Limits | None = None) -> None:
+        # A transfer whose receiver grants no credit and takes no data for this
+        # long is stalled and dropped: the stall bound, at most the transfer timeout.
+        self.stall = timeout if stall is None else min(stall, timeout)
         self.limits = limits if limits is not None else Limits()
         self.staged: Staged | None = None
         self.transfers: dict[Key, Transfer] = {}
@@ -189,6 +191,23 @@ class Scheduler:
         if action.parked is not None and now - self._rebound_at < self.limits.rebind_grace:
             self.parked.append(action.parked)
 
+    def progress(self, keys: set[Key], now: float) -> None:
+        """The receivers of these transfers took data (libzmq released frames queued for them)."""
+        for key in keys:
+            transfer = self.transfers.get(key)
+            if transfer is not None:
+                transfer.last_progress = now
+
+    def disconnected(self, peer: bytes) -> list[Transfer]:
+        """The connection of ``peer`` closed: its transfers cannot complete. Returns them, forgotten.
+
+        Its parked requests stay: a DEALER that reconnects keeps its routing id.
+        """
+        gone = [t for t in self.transfers.values() if t.peer == peer]
+        for transfer in gone:
+            del self.transfers[transfer.key]
+        return gone
+
     def rebound(self, now: float) -> None:
         """The socket was closed and bound again: every receiver is reconnecting."""
         self._rebound_at = now
@@ -224,8 +243,8 @@ class Scheduler:
                 message = f"no checkpoint was staged for step {parked.request.step} in time"
                 actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_STAGED, message))
         for transfer in list(self.transfers.values()):
-            if transfer.credit == 0 and now - transfer.last_progress > self.timeout:
-                message = f"receiver granted no credit for {self.timeout:.1f} s"
+            if transfer.credit == 0 and now - transfer.last_progress > self.stall:
+                message = f"receiver granted no credit and took no data for {self.stall:.1f} s"
                 actions.append(self._abort(transfer, wire.ERR_STALLED, message))
         return actions
 
@@ -247,7 +266,7 @@ class Scheduler:
         if self.staged is not None and self.parked:
             return REPARKED_RETRY
         deadlines = [p.deadline for p in self.parked]
-        deadlines += [t.last_progress + self.timeout for t in self.transfers.values()]
+        deadlines += [t.last_progress + self.stall for t in self.transfers.values()]
         if not deadlines:
             return IDLE_WAKEUP
         return max(0.0, min(IDLE_WAKEUP, min(deadlines) - now))

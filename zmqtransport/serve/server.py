@@ -133,14 +133,15 @@ class Server:
         configure: Configure | None = None,
         *,
         staging: DeviceStaging | None = None,
+        stall: float | None = None,
     ) -> None:
         self._timeout = timeout
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = WakePipe()
         self._router = Router(context, bind_host, port, configure)
         self.port = self._router.port
-        self._scheduler = Scheduler(timeout)
-        self._held: HeldFrames[zmq.MessageTracker] = HeldFrames()
+        self._scheduler = Scheduler(timeout, stall)
+        self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall)
         # Device memory goes out through the stager's pinned ring; the serving
         # thread alone uses it, its side streams included (device.py).
         self._stager = SendStager(staging if staging is not None else DeviceStaging())
@@ -191,6 +192,7 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._router.socket, zmq.POLLIN)
         poller.register(self._wake.fd, zmq.POLLIN)
+        poller.register(self._router.monitor, zmq.POLLIN)
         return poller
 
     def _run(self) -> None:
@@ -214,7 +216,11 @@ class Server:
             self._shutdown_in_thread()
 
     def _poll_timeout_ms(self) -> int:
-        seconds = self._scheduler.wakeup_in(time.monotonic())
+        now = time.monotonic()
+        seconds = self._scheduler.wakeup_in(now)
+        held = self._held.wakeup_in(now)
+        if held is not None:
+            seconds = min(seconds, held)
         if self._held.waiting:
             seconds = min(seconds, DISALLOW_POLL)
         return 0 if seconds <= 0 else max(1, int(seconds * 1000) + 1)
@@ -242,6 +248,7 @@ class Server:
         self._held.wait(done, time.monotonic() + self._timeout)
 
     def _read_requests(self) -> None:
+        self._drop_disconnected()  # first: see Router.disconnected
         for peer, address, frames in self._router.read():
             if len(frames) != 1:
                 self._execute([Refuse(peer, 0, wire.ERR_BAD_REQUEST, "expected one envelope frame")])
@@ -253,6 +260,12 @@ class Server:
                 self._execute([Refuse(peer, 0, exc.code, str(exc))])
                 continue
             self._execute(self._scheduler.on_request(peer, request, address, time.monotonic()))
+
+    def _drop_disconnected(self) -> None:
+        for peer in self._router.disconnected():
+            for transfer in self._scheduler.disconnected(peer):
+                step, address = transfer.staged.step, transfer.address
+                logger.warning("dropping transfer of step %d to %s: its connection closed", step, address)
 
     def _execute(self, actions: list[Action]) -> None:
         """Carry out what the scheduler decided, telling it about messages that could not go out."""
@@ -282,20 +295,24 @@ class Server:
         self._sent.record(_served(transfer, seconds))
 
     def _housekeeping(self) -> bool:
-        """Expire waits and stalls, progress disallows. Returns True if the socket was rebuilt."""
+        """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
         now = time.monotonic()
+        self._drop_disconnected()
+        self._scheduler.progress(self._held.poll(now), now)
         self._execute(self._scheduler.expire(now))
         self._stager.retain(self._scheduler.transfers)
-        if not self._held.poll(now):
+        if not self._held.must_close(now, transfers_running=bool(self._scheduler.transfers)):
             return False
-        logger.warning(
-            "a receiver still holds %d zero-copy frames after %.1f s; closing the socket to release them",
-            len(self._held.trackers),
-            self._timeout,
-        )
         # Requests already read by libzmq but not yet by us would die with the
-        # socket: take them first (nothing is staged, so fetches are parked).
+        # socket: take them first (fetches with nothing staged are parked).
         self._read_requests()
+        if self._scheduler.transfers:
+            return False  # one just started on this socket: close it once nothing runs
+        logger.warning(
+            "receivers that take no data hold %d zero-copy frames; closing the socket to release them",
+            self._held.pinned,
+        )
+        self._held.socket_closed()
         self._router.rebind()
         self._scheduler.rebound(time.monotonic())
         return True
@@ -303,7 +320,7 @@ class Server:
     def _shutdown_in_thread(self) -> None:
         self._execute(self._scheduler.shutdown())
         self._router.close()
-        for tracker in self._held.trackers:
+        for tracker in self._held.trackers():
             try:
                 tracker.wait(SHUTDOWN_FRAME_WAIT)
             except zmq.NotDone:
