@@ -128,7 +128,7 @@ def _sync(device: Any) -> None:
 def _staging(args: argparse.Namespace) -> Any:
     if not args.fake_staging:
         return None
-    from zmqtransport.device import FakeDevice
+    from zmqtransport.testing import FakeDevice
 
     return FakeDevice().staging(slots=8, depth=4)
 

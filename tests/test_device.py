@@ -1,7 +1,7 @@
 """Device staging (docs/cuda.md): pinned rings, the send stager and the receive unstager.
 
 The scheduling logic runs on CPU with the deferred fake copy engine
-(``zmqtransport.device.HostCopyEngine``), whose host buffers start as 0xA5
+(``zmqtransport.testing.HostCopyEngine``), whose host buffers start as 0xA5
 garbage and whose copies only happen when an event is queried or waited for:
 a message sent, or a bounce buffer reused, before its copy completed shows
 up as wrong bytes. The CUDA tests at the end skip without a GPU; run them with
@@ -24,8 +24,6 @@ from zmqtransport import ZMQTransport, buffers, tree, wire
 from zmqtransport.device import (
     CPU,
     DeviceStaging,
-    FakeDevice,
-    HostCopyEngine,
     PinnedRing,
     RecvUnstager,
     SendPlan,
@@ -37,6 +35,7 @@ from zmqtransport.device import (
     tensor_bytes,
 )
 from zmqtransport.errors import RemoteError
+from zmqtransport.testing import FakeDevice, HostCopyEngine
 
 from .conftest import TIMEOUT, fetch_racing_disallow
 

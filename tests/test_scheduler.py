@@ -15,6 +15,7 @@ import msgpack
 import pytest
 
 from zmqtransport import wire
+from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.errors import ProtocolError, VersionMismatchError
 from zmqtransport.serve.frames import HeldFrames
 from zmqtransport.serve.scheduler import (
@@ -28,7 +29,6 @@ from zmqtransport.serve.scheduler import (
     SendHeader,
 )
 from zmqtransport.serve.staged import Staged
-from zmqtransport.tree import EncodedTree
 
 TIMEOUT = 10.0
 STEP = 7

@@ -8,7 +8,7 @@ frames under credit-based flow control. See docs/protocol.md.
 
 from .contract import CheckpointTransport
 from .errors import IntegrityError, ProtocolError, RemoteError, TransportError, VersionMismatchError
-from .receiver import TransferStats
+from .stats import TransferStats
 from .transport import ZMQTransport
 from .wire import PROTOCOL_VERSION
 

@@ -38,7 +38,11 @@ from typing import Any, TextIO
 
 import torch
 
-from . import tree, wire
+from . import wire
+from .codec import skeleton
+from .codec.dtypes import dtype_name
+from .codec.paths import format_path
+from .codec.tensors import decode_tensor_table
 from .errors import TransportError
 from .net import parse_metadata
 from .transport import ZMQTransport
@@ -181,13 +185,13 @@ def _timeout(args: argparse.Namespace) -> timedelta:
     return timedelta(seconds=args.timeout)
 
 
-def _atomic_save(state: Any, output: Path) -> None:
-    """torch.save to a temporary file beside ``output``, then rename: never a half-written file."""
-    handle, temporary = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".partial")
+def _write_atomic(path: Path, write: Callable[[str], object]) -> None:
+    """``write(temporary)`` to a file beside ``path``, then rename: never a half-written file."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     os.close(handle)
     try:
-        torch.save(state, temporary)
-        os.replace(temporary, output)
+        write(temporary)
+        os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
@@ -226,7 +230,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         stats = transport.last_recv_stats
     assert stats is not None  # set by every successful receive
     saving = time.monotonic()
-    _atomic_save(state, output)
+    _write_atomic(output, lambda temporary: torch.save(state, temporary))
     saved_s = time.monotonic() - saving
     print(
         f"fetched step {args.step} from {stats.peer}: {stats.tensors} tensors, {human_bytes(stats.bytes)} "
@@ -296,13 +300,6 @@ def _peer_name(address: str) -> str:
     return address.removeprefix("::ffff:")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    with os.fdopen(handle, "w") as stream:
-        stream.write(text)
-    os.replace(temporary, path)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint file at ``--step`` until SIGINT or SIGTERM."""
     timeout = _timeout(args)
@@ -328,7 +325,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served = transport.sent_since(0)[0]
         with _StopSignal() as stop:
             if metadata_file is not None:
-                _write_text_atomic(metadata_file, metadata + "\n")
+                _write_atomic(metadata_file, lambda temporary: Path(temporary).write_text(metadata + "\n"))
                 wrote_metadata = True
             # stdout carries the metadata alone, for scripts; the rest goes to stderr.
             print(metadata, flush=True)
@@ -362,35 +359,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _count_pickled(node: Any) -> int:
-    """Pickled leaves in a validated skeleton (walked by tag, as tree.index_skeleton does)."""
-    if not isinstance(node, list) or not node:
-        return 0
-    tag, args = node[0], node[1:]
-    if tag == tree.TAG_PICKLE:
-        return 1
-    if tag in (tree.TAG_LIST, tree.TAG_TUPLE):
-        return sum(_count_pickled(item) for item in args[0])
-    if tag in (tree.TAG_DICT, tree.TAG_ORDERED_DICT):
-        return sum(_count_pickled(key) + _count_pickled(value) for key, value in args[0])
-    if tag == tree.TAG_NAMEDTUPLE:
-        return sum(_count_pickled(item) for item in args[3])
-    return 0
-
-
 def describe_header(header: Any, peer: str) -> dict[str, Any]:
     """What a peer serves, from its header alone (see :meth:`ZMQTransport.fetch_header`)."""
-    specs = tree.decode_tensor_table(header.tensors, header.storages)
-    paths = tree.index_skeleton(header.skeleton, len(specs), True)
+    specs = decode_tensor_table(header.tensors, header.storages)
+    paths = skeleton.index_skeleton(header.skeleton, len(specs), True)
     by_dtype: dict[str, dict[str, int]] = {}
     for spec in specs:
-        entry = by_dtype.setdefault(tree.dtype_name(spec.dtype), {"tensors": 0, "bytes": 0})
+        entry = by_dtype.setdefault(dtype_name(spec.dtype), {"tensors": 0, "bytes": 0})
         entry["tensors"] += 1
         entry["bytes"] += spec.nbytes
     plan = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
     top = header.skeleton
     top_keys: list[str] = []
-    if isinstance(top, list) and top and top[0] in (tree.TAG_DICT, tree.TAG_ORDERED_DICT):
+    if isinstance(top, list) and top and top[0] in (skeleton.TAG_DICT, skeleton.TAG_ORDERED_DICT):
         top_keys = [str(key) for key, _ in top[1]]
     return {
         "peer": peer,
@@ -402,12 +383,12 @@ def describe_header(header: Any, peer: str) -> dict[str, Any]:
         "data_messages": len(plan),
         "chunk_bytes": header.chunk_bytes,
         "checksum": header.checksum,
-        "pickled_leaves": _count_pickled(header.skeleton),
+        "pickled_leaves": sum(tag == skeleton.TAG_PICKLE for tag, _ in skeleton.walk(header.skeleton)),
         "top_level_keys": top_keys,
         "tensor_list": [
             {
-                "path": tree.format_path(paths[index]),
-                "dtype": tree.dtype_name(spec.dtype),
+                "path": format_path(paths[index]),
+                "dtype": dtype_name(spec.dtype),
                 "shape": list(spec.shape),
                 "bytes": spec.nbytes,
             }

@@ -31,28 +31,11 @@ from . import buffers, tree, wire
 from .device import CPU, DeviceStaging, RecvUnstager, can_fill, fresh_storage, landing_bytes
 from .errors import IntegrityError, ProtocolError, RemoteError
 from .net import PeerAddress
+from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
-
-
-@dataclass
-class TransferStats:
-    """What the last transfer moved; read it from :attr:`ZMQTransport.last_recv_stats`."""
-
-    peer: str
-    step: int
-    bytes: int = 0
-    in_place_bytes: int = 0
-    tensors: int = 0
-    messages: int = 0
-    seconds: float = 0.0
-    header_seconds: float = 0.0
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 @dataclass

@@ -23,12 +23,14 @@ from typing import Any, TypeVar
 import torch
 import zmq
 
-from . import security, tree, wire
+from . import security, wire
+from .codec.skeleton import encode_tree
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device, prepare_send
 from .net import PeerAddress, choose_advertise_host, parse_metadata
-from .receiver import FetchOptions, ProgressCallback, TransferStats, fetch, fetch_header, paused_gc
+from .receiver import FetchOptions, ProgressCallback, fetch, fetch_header, paused_gc
 from .serve import Server, Staged
+from .stats import TransferStats
 
 T = TypeVar("T")
 
@@ -221,7 +223,7 @@ class ZMQTransport(CheckpointTransport[T]):
         if type(step) is not int or not 0 <= step <= wire.MAX_STEP:
             raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
         with paused_gc():  # see receiver.paused_gc: many tensors, no cycles
-            encoded = tree.encode_tree(state_dict, self._allow_pickle)
+            encoded = encode_tree(state_dict, self._allow_pickle)
         if len(encoded.tensors) > wire.MAX_TENSORS:
             # Receivers refuse such a header (wire.decode_header); say so here, once.
             raise ValueError(

@@ -212,7 +212,7 @@ def header_envelope(xfer: int) -> bytes:
 
 
 def decode_header(message: dict[str, Any]) -> Header:
-    """Validate the fields of an OP_HEADER envelope (the tree itself is checked in tree.py)."""
+    """Validate the fields of an OP_HEADER envelope (the tree itself is checked in codec/)."""
     if not isinstance(message, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(message).__name__}")
     step = _field(message, "step", int)

@@ -33,7 +33,7 @@ import zmq
 from .. import wire
 from ..device import DeviceStaging, SendStager
 from ..errors import ProtocolError
-from ..receiver import TransferStats
+from ..stats import TransferStats
 from .frames import HeldFrames
 from .pump import DataPump
 from .router import Configure, Router

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from .. import wire
 
 if TYPE_CHECKING:
+    from ..codec.tensors import EncodedTree
     from ..device import SendPlan
-    from ..tree import EncodedTree
 
 
 @dataclass
