@@ -10,10 +10,13 @@ What to send and when to give up is decided by the pure
 feeds them to it with the time, and carries out the actions it returns.
 
 Zero copy: data frames that cover a single storage reference the tensor memory
-(``copy=False``) and are tracked; :meth:`disallow` returns only once libzmq has
-released every one of them. A receiver that stops reading cannot hold that up
-past the timeout: the socket is then closed with ``linger=0`` (which frees every
-queued frame) and bound again on the same port.
+(``copy=False``); every data frame is tracked (:mod:`.frames`), and
+:meth:`disallow` returns only once libzmq has released every frame that
+references staged memory. A receiver that stops reading cannot hold that up
+past the stall bound (or, if it keeps taking data, the timeout): the socket is
+then closed with ``linger=0`` (which frees every queued frame) and bound again
+on the same port. A receiver whose connection closes is dropped as soon as the
+socket monitor reports it (:meth:`.router.Router.disconnected`).
 """
 
 from __future__ import annotations
@@ -205,6 +208,8 @@ class Server:
                     self._run_commands()
                     if self._stopping:
                         break
+                if self._router.monitor in events:
+                    self._drop_disconnected()
                 if self._router.socket in events:
                     self._read_requests()
                 self._execute(self._pump.run())
@@ -297,7 +302,6 @@ class Server:
     def _housekeeping(self) -> bool:
         """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
         now = time.monotonic()
-        self._drop_disconnected()
         self._scheduler.progress(self._held.poll(now), now)
         self._execute(self._scheduler.expire(now))
         self._stager.retain(self._scheduler.transfers)
