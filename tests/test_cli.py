@@ -104,8 +104,9 @@ PEER_SOURCE = STATE_SOURCE + textwrap.dedent(
 
 def _environment() -> dict[str, str]:
     env = dict(os.environ)
-    # torch warns on import when numpy is missing; keep stderr to what the CLI says.
-    env["PYTHONWARNINGS"] = "ignore::UserWarning"
+    # No warning filter: stderr must hold what the CLI says and nothing else
+    # (torch's NumPy warning is hidden by zmqtransport itself, _torch_import.py).
+    env.pop("PYTHONWARNINGS", None)
     env.pop("ZMQTRANSPORT_DEBUG", None)
     return env
 

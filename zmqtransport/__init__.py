@@ -6,14 +6,19 @@ DEALER and pull a step as a msgpack header followed by raw, zero-copy tensor
 frames under credit-based flow control. See docs/protocol.md.
 """
 
+# First, before anything imports torch: see _torch_import (no NumPy warning).
+from . import _torch_import  # noqa: F401
+
+# isort: split
 from .contract import CheckpointTransport
-from .errors import IntegrityError, ProtocolError, RemoteError, TransportError, VersionMismatchError
+from .errors import BindError, IntegrityError, ProtocolError, RemoteError, TransportError, VersionMismatchError
 from .stats import TransferStats
 from .transport import ZMQTransport
 from .wire import PROTOCOL_VERSION
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "BindError",
     "CheckpointTransport",
     "IntegrityError",
     "ProtocolError",

@@ -113,8 +113,12 @@ class Prefaulter:
             threading.Thread(target=self._work, name="zmqtransport-prefault", daemon=True)
             for _ in range(min(threads, len(self._pieces)))
         ]
-        for thread in self._threads:
-            thread.start()
+        try:
+            for thread in self._threads:
+                thread.start()
+        except BaseException:
+            self.close()  # the workers already started must not outlive the memory
+            raise
 
     @classmethod
     def start(cls, regions: Sequence[tuple[int, int, int]], threads: int) -> Prefaulter | None:
@@ -148,7 +152,8 @@ class Prefaulter:
         """Stop and join the workers (each finishes at most the piece it is on)."""
         self._stopped = True
         for thread in self._threads:
-            thread.join()
+            if thread.ident is not None:  # started (a failed start leaves the rest unstarted)
+                thread.join()
 
 
 class Arena:

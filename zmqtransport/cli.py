@@ -304,9 +304,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a checkpoint file at ``--step`` until SIGINT or SIGTERM."""
     timeout = _timeout(args)
     path = Path(args.file)
-    loading = time.monotonic()
-    state = _load_checkpoint(path)
-    loaded_s = time.monotonic() - loading
+    if not path.is_file():
+        raise CLIError(f"{path}: no such file")
+    # Listen first: a port in use or a wrong --bind is reported at once, not
+    # after loading a checkpoint of many gigabytes.
     transport: ZMQTransport[Any] = ZMQTransport(
         timeout,
         bind_host=args.bind,
@@ -317,6 +318,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metadata_file = Path(args.metadata_file) if args.metadata_file else None
     wrote_metadata = False
     try:
+        loading = time.monotonic()
+        state = _load_checkpoint(path)
+        loaded_s = time.monotonic() - loading
         try:
             transport.send_checkpoint([], args.step, state, timeout)
         except TypeError as exc:
@@ -351,11 +355,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     )
             print(f"{time.strftime('%H:%M:%S')} {stop.received}: stopping", file=sys.stderr, flush=True)
     finally:
-        transport.disallow_checkpoint()
-        transport.shutdown()
-        if metadata_file is not None and wrote_metadata:
-            # A stale metadata file would send the next reader to a dead port.
-            metadata_file.unlink(missing_ok=True)
+        try:
+            transport.disallow_checkpoint()
+        finally:
+            transport.shutdown()  # even when the disallow failed
+            if metadata_file is not None and wrote_metadata:
+                # A stale metadata file would send the next reader to a dead port.
+                metadata_file.unlink(missing_ok=True)
     return EXIT_OK
 
 

@@ -44,3 +44,13 @@ class RemoteError(TransportError):
 
 class IntegrityError(TransportError):
     """A received frame did not match the checksum the sender computed for it."""
+
+
+class BindError(TransportError, OSError):
+    """The transport could not listen where it was told to (``bind_host`` / ``port``).
+
+    The message names the option and its value (``port=41234 is already in
+    use ...``, ``bind_host='10.9.9.9': not an address of this host``); ``errno``
+    is the operating system's code (``EADDRINUSE``, ``EADDRNOTAVAIL``, ...).
+    Raised by the constructor, which has released everything it set up.
+    """

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, tree, wire
+from . import buffers, sockets, tree, wire
 from .device import CPU, DeviceStaging, RecvUnstager, can_fill, fresh_storage, landing_bytes
 from .errors import IntegrityError, ProtocolError, RemoteError
 from .net import PeerAddress
@@ -104,16 +104,19 @@ class _Receiver:
         self.parsed: _Header | None = None  # set once the header is validated
         self.prefaulter: buffers.Prefaulter | None = None  # faults fresh storage in ahead of the data
         self.arena: buffers.Arena | None = None  # small fresh storages, in one mapping
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.IPV6, 1)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+        # Closed again if configuring it fails (a bad key, say): a socket left
+        # open would make the transport's shutdown wait forever in Context.term().
+        self.socket = sockets.new_socket(context, zmq.DEALER, self._configure)
+
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
         # An explicit routing id survives a reconnect, so a sender that had to
         # rebuild its ROUTER (forced release of a stalled receiver) can still
         # answer a request it parked before. Ids must not start with a zero byte.
-        self.socket.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
-        if options.configure is not None:
-            options.configure(self.socket)
+        sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
+        if self.options.configure is not None:
+            self.options.configure(sock)
 
     # ----------------------------------------------------------------- socket helpers
 

@@ -22,6 +22,7 @@ public keys instead (or as well).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -45,6 +46,7 @@ MIN_SECRET_BYTES = 16
 _KEY_BYTES = 32
 _Z85_KEY_CHARS = 40
 _REJECT_LOG_INTERVAL = 10.0  # seconds between warnings about refused clients
+_START_TIMEOUT = 10.0  # seconds the ZAP handler thread gets to start, and to stop
 
 SocketConfigurator = Callable[[zmq.Socket[Any]], None]
 
@@ -236,21 +238,32 @@ class ZapHandler:
         self._last_warning = float("-inf")
         self.refused = 0  # connections refused so far (read by tests and operators)
         self._thread = threading.Thread(target=self._run, name="zmqtransport-zap", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("the ZAP handler thread did not start")
-        if self._failure is not None:
-            raise RuntimeError(f"cannot start the ZAP handler: {self._failure}") from self._failure
+        # The stopper exists before the thread, so every failure below can stop
+        # the thread (an open socket of it would make Context.term() hang).
         self._stopper = context.socket(zmq.PAIR)
-        self._stopper.setsockopt(zmq.LINGER, 0)
-        self._stopper.connect(self._control_endpoint)
+        try:
+            self._stopper.setsockopt(zmq.LINGER, 0)
+            self._stopper.connect(self._control_endpoint)  # inproc: connecting before the bind is fine
+            self._thread.start()
+            if not self._ready.wait(_START_TIMEOUT):
+                raise RuntimeError(f"the ZAP handler thread did not start within {_START_TIMEOUT:g} s")
+            if self._failure is not None:
+                raise RuntimeError(f"cannot start the ZAP handler: {self._failure}") from self._failure
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
-        """Stop the handler thread and close its sockets; idempotent."""
+        """Stop the handler thread and close its sockets; idempotent, each wait bounded."""
         if self._stopper.closed:
             return
-        self._stopper.send(b"stop")
-        self._thread.join(10)
+        if self._thread.is_alive():
+            # NOBLOCK: a thread that already left has no peer socket to take it.
+            with contextlib.suppress(zmq.Again):
+                self._stopper.send(b"stop", zmq.NOBLOCK)
+            self._thread.join(_START_TIMEOUT)
+            if self._thread.is_alive():
+                logger.error("the ZAP handler thread did not stop within %g s", _START_TIMEOUT)
         self._stopper.close(linger=0)
 
     def _run(self) -> None:

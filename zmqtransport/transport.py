@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 import zmq
 
-from . import security, wire
+from . import security, sockets, wire
 from .codec.skeleton import encode_tree
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device, prepare_send
@@ -145,15 +145,22 @@ class ZMQTransport(CheckpointTransport[T]):
         curve_client_keypair: security.KeyPair | tuple[bytes, bytes] | None = None,
         curve_server_keypair: security.KeyPair | tuple[bytes, bytes] | None = None,
     ) -> None:
+        # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes must be in [{wire.MIN_CHUNK_BYTES}, {wire.MAX_CHUNK_BYTES}]")
+            raise ValueError(f"chunk_bytes={chunk_bytes}: must be in [{wire.MIN_CHUNK_BYTES}, {wire.MAX_CHUNK_BYTES}]")
         if not 0 <= pack_below <= chunk_bytes:
-            raise ValueError("pack_below must be in [0, chunk_bytes]")
+            raise ValueError(f"pack_below={pack_below}: must be in [0, chunk_bytes={chunk_bytes}]")
         if not 1 <= window <= wire.MAX_CREDIT:
-            raise ValueError(f"window must be in [1, {wire.MAX_CREDIT}]")
+            raise ValueError(f"window={window}: must be in [1, {wire.MAX_CREDIT}]")
+        if not timeout > timedelta(0):
+            raise ValueError(f"timeout={timeout}: must be positive")
         stall_seconds = _seconds_or_none(stall_timeout)
         if stall_seconds is not None and not stall_seconds > 0:
-            raise ValueError(f"stall_timeout must be positive or None, got {stall_timeout!r}")
+            raise ValueError(f"stall_timeout={stall_timeout!r}: must be positive or None")
+        if type(io_threads) is not int or io_threads < 1:
+            # libzmq accepts 0 and then fails every TCP bind with "No thread available".
+            raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
+        sockets.check_port(port)
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._pack_below = pack_below
@@ -175,6 +182,7 @@ class ZMQTransport(CheckpointTransport[T]):
         self._curve = security.CurveSettings.resolve(
             curve_secret, curve_allowed_clients, curve_client_keypair, curve_server_keypair
         )
+        host = choose_advertise_host(bind_host, advertise_host)
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
@@ -198,11 +206,12 @@ class ZMQTransport(CheckpointTransport[T]):
                 stall=stall_seconds,
             )
         except BaseException:
+            # The Server closed its own socket; the ZAP handler's thread and
+            # sockets go next, then the context (term() would wait for them).
             if self._zap is not None:
                 self._zap.close()
-            self._context.term()
+            sockets.terminate(self._context)
             raise
-        host = choose_advertise_host(bind_host, advertise_host)
         self._address = PeerAddress(host, self._server.port, params)
         self.last_recv_stats: TransferStats | None = None
 

@@ -46,10 +46,14 @@ class RecvUnstager:
         if not any(landing.device_bytes is not None for landing in landings):
             return None
         unstager = cls(staging, staging.borrow(), landings)
-        # In-place targets may still be written by kernels the caller queued:
-        # the side streams wait for them before overwriting.
-        for device in {lb.device for lb in (d.device_bytes for d in landings) if lb is not None}:
-            unstager._engine(device).after_current()
+        try:
+            # In-place targets may still be written by kernels the caller queued:
+            # the side streams wait for them before overwriting.
+            for device in {lb.device for lb in (d.device_bytes for d in landings) if lb is not None}:
+                unstager._engine(device).after_current()
+        except BaseException:
+            unstager.close()  # the caller never sees it: give the kit back here
+            raise
         return unstager
 
     @property

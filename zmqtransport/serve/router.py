@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .. import wire
+from .. import sockets, wire
 
 logger = logging.getLogger("zmqtransport.sender")
 
@@ -28,14 +28,6 @@ REBIND_DEADLINE = 10.0  # seconds: give up binding the port again after this lon
 Configure = Callable[[zmq.Socket[Any]], None]  # applies security options to a new socket
 
 
-def bind_host(host: str) -> str:
-    """The host part of a ``tcp://`` bind endpoint: ``*`` for any wildcard, IPv6 in brackets."""
-    host = "*" if host in ("", "*", "0.0.0.0", "::") else host  # noqa: S104 - normalising the wildcard
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return host
-
-
 class Router:
     """One ROUTER socket bound to a fixed port; :meth:`rebind` replaces it on the same port.
 
@@ -44,28 +36,30 @@ class Router:
     maps it to the routing ids that used that connection.
     """
 
-    def __init__(self, context: zmq.Context[Any], host: str, port: int, configure: Configure | None) -> None:
+    def __init__(self, context: zmq.Context[Any], bind_host: str, port: int, configure: Configure | None) -> None:
+        """Bind ``bind_host``:``port``; on failure nothing stays open (:class:`~zmqtransport.BindError`)."""
         self._context = context
         self._configure = configure
         self.socket = self._make()
-        host = bind_host(host)
-        self.socket.bind(f"tcp://{host}:{port or '*'}")
-        endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.port = int(endpoint.rsplit(":", 1)[1])
-        self._endpoint = f"tcp://{host}:{self.port}"
-        self.monitor = self._monitor()
+        self.port = sockets.bind(self.socket, bind_host, port)  # closes the socket if it fails
+        self._endpoint = sockets.bind_endpoint(bind_host, self.port)
+        try:
+            self.monitor = self._monitor()
+        except BaseException:
+            self.socket.close(linger=0)
+            raise
         self._peer_fds: dict[bytes, int] = {}  # routing id -> descriptor of its connection
 
     def _make(self) -> zmq.Socket[Any]:
-        router: zmq.Socket[Any] = self._context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
+        return sockets.new_socket(self._context, zmq.ROUTER, self._configure_router)
+
+    def _configure_router(self, router: zmq.Socket[Any]) -> None:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # raise instead of dropping frames
         router.setsockopt(zmq.SNDHWM, _SNDHWM)
         router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REQUEST_BYTES)
         router.setsockopt(zmq.IPV6, 1)
         if self._configure is not None:
             self._configure(router)
-        return router
 
     def _monitor(self) -> zmq.Socket[Any]:
         monitor: zmq.Socket[Any] = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)

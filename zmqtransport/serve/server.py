@@ -141,12 +141,26 @@ class Server:
         self._timeout = timeout
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = WakePipe()
-        self._router = Router(context, bind_host, port, configure)
+        try:
+            self._router = Router(context, bind_host, port, configure)  # nothing open if it fails
+        except BaseException:
+            self._wake.close()
+            raise
+        try:
+            self._start(timeout, stall, staging)
+        except BaseException:
+            # Nothing half-built may outlive a failed construction: an open
+            # socket would make the owner's Context.term() wait forever.
+            self._router.close()
+            self._wake.close()
+            raise
+
+    def _start(self, timeout: float, stall: float | None, staging: DeviceStaging | None) -> None:
         self.port = self._router.port
         self._scheduler = Scheduler(timeout, stall)
         self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall)
         # Device memory goes out through the stager's pinned ring; the serving
-        # thread alone uses it, its side streams included (device.py).
+        # thread alone uses it, its side streams included (device/).
         self._stager = SendStager(staging if staging is not None else DeviceStaging())
         self._pump = DataPump(self._scheduler, self._router, self._stager, self._held)
         self._sent = SentLog()

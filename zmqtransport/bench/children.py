@@ -1,0 +1,168 @@
+"""The benchmark's child processes: one long-lived sender, fresh receivers per trial.
+
+Each child answers commands from the driver over a pipe: ``("ok", value)`` or
+``("error", traceback)``, until ``exit``. A child placed in a lab host enters
+that host's network namespace before it opens any socket.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import os
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..lab import enter_namespace
+from .config import Knobs, Scenario
+from .methods import METHODS, Place, Receiving, RecvEnv, SendEnv, Serving
+from .payload import PeakMeter, check, make_tensors, release_free_memory, stamp, state_dict_of
+
+
+def serve_commands(conn: Connection, handlers: dict[str, Callable[..., Any]]) -> None:
+    """Answer ("ok", value) or ("error", traceback) to each command until "exit"."""
+    while True:
+        try:
+            command = conn.recv()
+        except EOFError:
+            return
+        name, args = command[0], command[1:]
+        if name == "exit":
+            conn.send(("ok", None))
+            return
+        try:
+            value = handlers[name](*args)
+        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+            conn.send(("error", traceback.format_exc()))
+            continue
+        conn.send(("ok", value))
+
+
+def _enter(place: Place) -> None:
+    if place.namespace is not None:
+        enter_namespace(place.namespace)
+    os.environ["GLOO_SOCKET_IFNAME"] = place.interface  # keep gloo on the benchmark's network
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.disable(logging.WARNING)  # the transports log INFO lines per transfer
+    # HTTPTransport's handler writes an access-log line per request to stderr.
+    http.server.BaseHTTPRequestHandler.log_message = lambda *args: None  # type: ignore[method-assign]
+
+
+class SenderProcess:
+    """Holds the payload and every method's serving side; stages one step per trial."""
+
+    def __init__(self, scenario: Scenario, knobs: Knobs, place: Place) -> None:
+        self.scenario = scenario
+        self.tensors = make_tensors(scenario.tensor_sizes, 0.0)
+        self.env = SendEnv(self.tensors, state_dict_of(self.tensors), knobs, place, scenario.receivers)
+        self.servings: dict[str, Serving] = {}
+        self.step = -1
+        self.meter: PeakMeter | None = None
+
+    def setup(self) -> dict[str, str]:
+        """Start every method's serving side; returns each one's metadata."""
+        for name in self.scenario.methods:
+            self.servings[name] = METHODS[name].serve(self.env)
+        return {name: serving.metadata() for name, serving in self.servings.items()}
+
+    def stage(self, method: str, step: int) -> float:
+        """Make ``step`` available through ``method``; returns the staging seconds."""
+        if step != self.step:
+            stamp(self.tensors, step)
+            self.step = step
+        self.meter = PeakMeter()
+        started = time.perf_counter()
+        self.servings[method].stage(step)
+        return time.perf_counter() - started
+
+    def rendezvous(self, method: str, step: int) -> None:
+        self.servings[method].rendezvous(step)
+
+    def release(self, method: str, step: int, receives: int) -> None:
+        self.servings[method].release(step, receives)
+
+    def finish(self, method: str) -> int:
+        """End the method's serving of this step; returns the sender's peak RSS growth."""
+        self.servings[method].finish()
+        assert self.meter is not None
+        return self.meter.growth()
+
+    def close(self) -> None:
+        for serving in self.servings.values():
+            serving.close()
+
+
+def sender_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place) -> None:
+    _enter(place)
+    sender = SenderProcess(scenario, knobs, place)
+    try:
+        handlers: dict[str, Callable[..., Any]] = {
+            "setup": sender.setup,
+            "stage": sender.stage,
+            "rendezvous": sender.rendezvous,
+            "release": sender.release,
+            "finish": sender.finish,
+        }
+        serve_commands(conn, handlers)
+    finally:
+        sender.close()
+
+
+class ReceiverProcess:
+    """One fresh process, one method: builds its receiving side, then times its receives."""
+
+    def __init__(self, scenario: Scenario, knobs: Knobs, place: Place, rank: int) -> None:
+        self.scenario = scenario
+        self.knobs = knobs
+        self.place = place
+        self.rank = rank
+        self.sizes = scenario.tensor_sizes
+        self.targets: list[Any] = []
+        self.receiving: Receiving | None = None
+
+    def setup(self, method: str, metadata: str, step: int) -> None:
+        """Untimed: the recovering model's own tensors (touched) and the method's receiver."""
+        chosen = METHODS[method]
+        if chosen.into_targets:
+            self.targets = make_tensors(self.sizes, -1.0)
+        world = self.scenario.receivers + 1
+        env = RecvEnv(self.sizes, self.targets, self.knobs, self.place, self.rank, world, metadata, step)
+        self.receiving = chosen.receiver(env)
+
+    def go(self, step: int, receives: int) -> list[dict[str, Any]]:
+        """Time ``receives`` receives of ``step``, the first one cold; verify each."""
+        return [self._receive_once(step) for _ in range(receives)]
+
+    def _receive_once(self, step: int) -> dict[str, Any]:
+        assert self.receiving is not None
+        meter = PeakMeter()
+        started = time.perf_counter()
+        tensors = self.receiving.receive(step)
+        seconds = time.perf_counter() - started
+        growth = meter.growth()
+        in_place = 0
+        if self.knobs.verify:
+            check(tensors, step, len(self.sizes))
+            owned = {t.untyped_storage().data_ptr() for t in self.targets}
+            in_place = sum(1 for t in tensors if t.untyped_storage().data_ptr() in owned)
+        del tensors
+        release_free_memory()
+        return {"seconds": seconds, "rss": growth, "in_place": in_place, "resettable": meter.resettable}
+
+    def close(self) -> None:
+        if self.receiving is not None:
+            self.receiving.close()
+
+
+def receiver_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place, rank: int) -> None:
+    _enter(place)
+    receiver = ReceiverProcess(scenario, knobs, place, rank)
+    try:
+        serve_commands(conn, {"setup": receiver.setup, "go": receiver.go})
+    finally:
+        receiver.close()

@@ -1,0 +1,159 @@
+"""What a benchmark run measures: scenarios, transport knobs, sizes, presets."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_SETTLE_S = 3.0
+DEFAULT_RATE_MBIT = 400.0
+
+
+@dataclass(frozen=True)
+class LabSpec:
+    """Run a scenario in a network lab: one source host, one host per receiver."""
+
+    nics: int = 1
+    rate_mbit: float = DEFAULT_RATE_MBIT
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One benchmark configuration: what moves, to how many receivers, and how."""
+
+    name: str
+    total_bytes: int
+    tensor_bytes: int
+    receivers: int = 1
+    methods: tuple[str, ...] = ()
+    reps: int = 5
+    # Whole unmeasured trials first (each still with fresh receiver processes).
+    warmup: int = 0
+    # Idle seconds after each receive. This VM's balloon reports freed memory
+    # back to the host about 2 s after it is freed, and touching it again then
+    # costs several times more than touching recycled pages: without a pause a
+    # method that runs right after a fresh receive inherits its warm pages.
+    settle_s: float = 0.0
+    # Also time a second receive in the same receiver process (the warm column).
+    warm: bool = False
+    lab: LabSpec | None = None
+
+    @property
+    def tensor_sizes(self) -> list[int]:
+        full, rest = divmod(self.total_bytes, self.tensor_bytes)
+        return [self.tensor_bytes] * full + ([rest] if rest else [])
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Transport options shared by every process of a run."""
+
+    chunk_bytes: int | None = None
+    window: int | None = None
+    pack_below: int | None = None
+    io_threads: int | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+    timeout_s: float = 600.0
+    verify: bool = True
+
+    def zmq_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        for name in ("chunk_bytes", "window", "pack_below", "io_threads"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        kwargs.update(dict(self.extra))
+        return kwargs
+
+
+def _presets() -> dict[str, Scenario]:
+    gib, mib, kib = 1 << 30, 1 << 20, 1 << 10
+    big = ("tcp-reused", "tcp-fresh", "zmq-bare", "http", "http-4")
+    settle = DEFAULT_SETTLE_S
+    lab_methods = ("tcp-reused", "zmq-inplace", "zmq-fresh", "http", "http-4", "pg-inplace")
+    return {
+        "inplace": Scenario("inplace", gib, 4 * mib, methods=(*big, "zmq-inplace", "pg-inplace"), settle_s=settle),
+        "fresh": Scenario("fresh", gib, 4 * mib, methods=(*big, "zmq-fresh", "pg-fresh"), settle_s=settle),
+        "small": Scenario(
+            "small",
+            80 * mib,
+            4 * kib,
+            methods=(*big, "zmq-fresh", "zmq-inplace", "pg-fresh"),
+            settle_s=settle,
+        ),
+        "fanout": Scenario(
+            "fanout",
+            gib,
+            4 * mib,
+            receivers=3,
+            methods=(*big, "zmq-fresh", "zmq-inplace"),
+            reps=3,
+            settle_s=settle,
+        ),
+        "tiny": Scenario(
+            "tiny",
+            kib,
+            kib,
+            methods=("tcp-reused", "tcp-fresh", "zmq-bare", "http", "zmq-fresh", "zmq-inplace", "pg-fresh"),
+            reps=30,
+        ),
+        "lab-1to1": Scenario("lab-1to1", 64 * mib, 4 * mib, methods=lab_methods, reps=3, lab=LabSpec()),
+        "lab-1to3": Scenario("lab-1to3", 64 * mib, 4 * mib, receivers=3, methods=lab_methods, reps=3, lab=LabSpec()),
+        "lab-2nic": Scenario("lab-2nic", 64 * mib, 4 * mib, methods=lab_methods, reps=3, lab=LabSpec(nics=2)),
+    }
+
+
+PRESETS = _presets()
+LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)
+LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None)
+
+
+def parse_size(text: str) -> int:
+    """``"1G"``, ``"4MiB"``, ``"4k"`` or plain bytes; binary multiples."""
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = 1
+    for suffix, factor in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40)):
+        if value.endswith(suffix):
+            value, scale = value[:-1], factor
+            break
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if number <= 0 or not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return int(number * scale)
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    name, sep, raw = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    value: Any = raw
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    else:
+        with contextlib.suppress(ValueError):
+            value = int(raw)
+    return name, value
+
+
+def torchft_available() -> bool:
+    try:
+        # Optional: the benchmark runs without torchft, minus its methods.
+        import torchft.checkpointing  # noqa: F401
+    except Exception:  # noqa: BLE001 - torchft's import fails in many ways on odd installs
+        return False
+    return True
+
+
+def numpy_available() -> bool:
+    """PGTransport's receive decodes its metadata through numpy."""
+    try:
+        import numpy  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,458 @@
+"""The benchmark's methods: one small object per way of moving a state dict.
+
+A :class:`Method` has a name and two factories. ``serve`` runs once in the
+long-lived sender process and returns its :class:`Serving` side; ``receiver``
+runs in a fresh receiver process per trial and returns its :class:`Receiving`
+side, whose ``receive`` is the one call the benchmark times. Nothing else in
+the benchmark knows how a method works.
+
+Sequence per trial: ``Serving.stage(step)``; fresh receivers start and build
+their ``Receiving`` side while ``Serving.rendezvous(step)`` runs (process
+groups need both at once); ``Serving.release(step, receives)``; each receiver
+times ``receive(step)``; ``Serving.finish()``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import traceback
+import urllib.parse
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from ..transport import ZMQTransport
+from .barezmq import BareServer, bare_receive
+from .config import Knobs
+from .payload import empty_float32, recv_views, send_views, views_of
+
+TORCHFT = "torchft"
+NUMPY = "numpy"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a process runs: its network namespace (None: this one) and address."""
+
+    namespace: str | None = None
+    host: str = "127.0.0.1"
+    interface: str = "lo"  # for gloo (GLOO_SOCKET_IFNAME)
+
+
+@dataclass
+class SendEnv:
+    """What the sender process offers every method's serving side."""
+
+    tensors: list[Any]
+    state: dict[str, Any]
+    knobs: Knobs
+    place: Place
+    receivers: int
+    views: list[memoryview] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.views = views_of(self.tensors)
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.knobs.timeout_s)
+
+
+@dataclass
+class RecvEnv:
+    """What a fresh receiver process offers: sizes, its own touched targets, where the sender is."""
+
+    sizes: list[int]
+    targets: list[Any]  # empty unless the method receives into existing tensors
+    knobs: Knobs
+    place: Place
+    rank: int
+    world: int
+    metadata: str
+    step: int  # the step this trial stages (PGTransport names its group after it)
+    target_views: list[memoryview] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.target_views = views_of(self.targets)
+
+    @property
+    def target_state(self) -> dict[str, Any]:
+        return {f"layer{index:06d}.weight": tensor for index, tensor in enumerate(self.targets)}
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.knobs.timeout_s)
+
+
+class Serving(Protocol):
+    def metadata(self) -> str: ...
+    def stage(self, step: int) -> None: ...
+    def rendezvous(self, step: int) -> None: ...
+    def release(self, step: int, receives: int) -> None: ...
+    def finish(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Receiving(Protocol):
+    def receive(self, step: int) -> list[Any]: ...
+    def close(self) -> None: ...
+
+
+class Method(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def anchor(self) -> bool: ...  # a reference the ratio columns divide by
+    @property
+    def into_targets(self) -> bool: ...  # the receiver lands data in its own touched tensors
+    @property
+    def requires(self) -> frozenset[str]: ...  # optional packages it needs
+    def serve(self, env: SendEnv) -> Serving: ...
+    def receiver(self, env: RecvEnv) -> Receiving: ...
+
+
+class _QuietServing:
+    """No-op defaults for the hooks most methods do not need."""
+
+    def rendezvous(self, step: int) -> None:
+        return None
+
+    def release(self, step: int, receives: int) -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------- plain TCP
+
+
+class _TcpServing(_QuietServing):
+    """A listener; each connection sends the step it wants and gets every tensor's bytes."""
+
+    def __init__(self, env: SendEnv) -> None:
+        self.env = env
+        self.step = -1
+        self.errors: list[str] = []
+        self.threads: list[threading.Thread] = []
+        self.listener = socket.create_server((env.place.host, 0), backlog=64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def metadata(self) -> str:
+        host, port = self.listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def stage(self, step: int) -> None:
+        self.step = step
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(self.env.knobs.timeout_s)
+                request = b""
+                while len(request) < 8:
+                    chunk = conn.recv(8 - len(request))
+                    if not chunk:
+                        return
+                    request += chunk
+                if int.from_bytes(request, "little") != self.step:
+                    raise RuntimeError("TCP request for a step that is not staged")
+                send_views(conn, self.env.views)
+        except BaseException:  # noqa: BLE001 - reported by finish()
+            self.errors.append(traceback.format_exc())
+
+    def finish(self) -> None:
+        for thread in self.threads:
+            thread.join(self.env.knobs.timeout_s)
+        self.threads = [t for t in self.threads if t.is_alive()]
+        if self.errors:
+            errors, self.errors = self.errors, []
+            raise RuntimeError("\n".join(errors))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+class _TcpReceiving:
+    def __init__(self, env: RecvEnv, reuse: bool) -> None:
+        self.env = env
+        self.reuse = reuse
+        host, port = env.metadata.rsplit(":", 1)
+        self.address = (host, int(port))
+
+    def receive(self, step: int) -> list[Any]:
+        if self.reuse:
+            tensors, views = self.env.targets, self.env.target_views
+        else:
+            tensors = [empty_float32(n) for n in self.env.sizes]
+            views = views_of(tensors)
+        with socket.create_connection(self.address, timeout=self.env.knobs.timeout_s) as conn:
+            conn.sendall(step.to_bytes(8, "little"))
+            recv_views(conn, views)
+        return list(tensors)
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class TcpMethod:
+    """Anchor: one plain TCP stream, ``recvmsg_into`` straight into tensors."""
+
+    name: str
+    into_targets: bool  # True: existing touched tensors; False: freshly allocated ones
+    anchor: bool = True
+    requires: frozenset[str] = frozenset()
+
+    def serve(self, env: SendEnv) -> Serving:
+        return _TcpServing(env)
+
+    def receiver(self, env: RecvEnv) -> Receiving:
+        return _TcpReceiving(env, self.into_targets)
+
+
+# ----------------------------------------------------------------------------- bare pyzmq
+
+
+class _BareServing(_QuietServing):
+    def __init__(self, env: SendEnv) -> None:
+        self.server = BareServer(env.place.host, env.views)
+
+    def metadata(self) -> str:
+        return self.server.endpoint
+
+    def stage(self, step: int) -> None:
+        self.server.step = step
+
+    def finish(self) -> None:
+        if self.server.errors:
+            raise RuntimeError("; ".join(self.server.errors))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class _BareReceiving:
+    def __init__(self, env: RecvEnv) -> None:
+        self.env = env
+
+    def receive(self, step: int) -> list[Any]:
+        bare_receive(self.env.metadata, step, self.env.target_views, self.env.knobs.timeout_s)
+        return list(self.env.targets)
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class BareZmqMethod:
+    """Anchor: a bare ROUTER/DEALER credit loop, one frame per tensor (see barezmq)."""
+
+    name: str = "zmq-bare"
+    into_targets: bool = True
+    anchor: bool = True
+    requires: frozenset[str] = frozenset()
+
+    def serve(self, env: SendEnv) -> Serving:
+        return _BareServing(env)
+
+    def receiver(self, env: RecvEnv) -> Receiving:
+        return _BareReceiving(env)
+
+
+# ----------------------------------------------------------------------------- checkpoint transports
+
+
+class _TransportServing(_QuietServing):
+    """Any ``CheckpointTransport`` whose send_checkpoint stages and returns (ZMQ, HTTP)."""
+
+    def __init__(self, env: SendEnv, transport: Any, metadata: str) -> None:
+        self.env = env
+        self.transport = transport
+        self._metadata = metadata
+
+    def metadata(self) -> str:
+        return self._metadata
+
+    def stage(self, step: int) -> None:
+        dst_ranks = list(range(1, self.env.receivers + 1))
+        self.transport.send_checkpoint(dst_ranks, step, self.env.state, self.env.timeout)
+
+    def finish(self) -> None:
+        self.transport.disallow_checkpoint()
+
+    def close(self) -> None:
+        self.transport.shutdown(wait=False)
+
+
+class _TransportReceiving:
+    def __init__(self, env: RecvEnv, transport: Any) -> None:
+        self.env = env
+        self.transport = transport
+
+    def receive(self, step: int) -> list[Any]:
+        result = self.transport.recv_checkpoint(0, self.env.metadata, step, self.env.timeout)
+        return list(result.values())
+
+    def close(self) -> None:
+        self.transport.shutdown(wait=False)
+
+
+@dataclass(frozen=True)
+class ZmqMethod:
+    """ZMQTransport, into the receiver's own tensors (``state_dict``) or fresh ones."""
+
+    name: str
+    into_targets: bool
+    anchor: bool = False
+    requires: frozenset[str] = frozenset()
+
+    def _transport(self, env: SendEnv | RecvEnv, **extra: Any) -> ZMQTransport[Any]:
+        host = env.place.host
+        return ZMQTransport(env.timeout, bind_host=host, advertise_host=host, **env.knobs.zmq_kwargs(), **extra)
+
+    def serve(self, env: SendEnv) -> Serving:
+        transport = self._transport(env)
+        return _TransportServing(env, transport, transport.metadata())
+
+    def receiver(self, env: RecvEnv) -> Receiving:
+        if self.into_targets:
+            state = env.target_state
+            return _TransportReceiving(env, self._transport(env, state_dict=lambda: state))
+        return _TransportReceiving(env, self._transport(env))
+
+
+def _http_transport(timeout: timedelta, chunks: int) -> Any:
+    # Optional dependency, imported only by the processes that run its methods.
+    from torchft.checkpointing import HTTPTransport
+
+    return HTTPTransport(timeout, num_chunks=chunks)
+
+
+@dataclass(frozen=True)
+class HttpMethod:
+    """torchft's HTTPTransport with ``num_chunks`` (0 is its default)."""
+
+    name: str
+    chunks: int
+    anchor: bool = True
+    into_targets: bool = False
+    requires: frozenset[str] = frozenset({TORCHFT})
+
+    def serve(self, env: SendEnv) -> Serving:
+        transport = _http_transport(env.timeout, self.chunks)
+        # Its address names this machine's hostname; point it at the sender's own address.
+        parts = urllib.parse.urlsplit(transport.metadata())
+        metadata = parts._replace(netloc=f"{env.place.host}:{parts.port}").geturl()
+        return _TransportServing(env, transport, metadata)
+
+    def receiver(self, env: RecvEnv) -> Receiving:
+        return _TransportReceiving(env, _http_transport(env.timeout, self.chunks))
+
+
+# ----------------------------------------------------------------------------- process groups
+
+
+def _process_group(store: str, step: int, rank: int, world: int, timeout: timedelta) -> Any:
+    from torchft.process_group import ProcessGroupGloo
+
+    group = ProcessGroupGloo(timeout=timeout)
+    # A fresh group per trial: the receivers are new processes every time.
+    group.configure(f"{store}/zmqtransport-bench-{step}", "bench", rank, world)
+    return group
+
+
+def _pg_transport(group: Any, timeout: timedelta, state_dict: Any) -> Any:
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    return PGTransport(group, timeout, torch.device("cpu"), state_dict=state_dict)
+
+
+class _PgServing:
+    """PGTransport's send blocks until every receiver has its data: it runs in a thread."""
+
+    def __init__(self, env: SendEnv) -> None:
+        self.env = env
+        self.store = torch.distributed.TCPStore(  # type: ignore[attr-defined]
+            env.place.host, 0, is_master=True, timeout=env.timeout, wait_for_workers=False
+        )
+        self.transport: Any = None
+        self.thread: threading.Thread | None = None
+        self.errors: list[str] = []
+
+    def metadata(self) -> str:
+        return f"{self.env.place.host}:{self.store.port}"
+
+    def stage(self, step: int) -> None:
+        return None
+
+    def rendezvous(self, step: int) -> None:
+        group = _process_group(self.metadata(), step, 0, self.env.receivers + 1, self.env.timeout)
+        self.transport = _pg_transport(group, self.env.timeout, None)
+
+    def release(self, step: int, receives: int) -> None:
+        def send() -> None:
+            try:
+                for _ in range(receives):
+                    dst_ranks = list(range(1, self.env.receivers + 1))
+                    self.transport.send_checkpoint(dst_ranks, step, self.env.state, self.env.timeout)
+            except BaseException:  # noqa: BLE001 - reported by finish()
+                self.errors.append(traceback.format_exc())
+
+        self.thread = threading.Thread(target=send, daemon=True)
+        self.thread.start()
+
+    def finish(self) -> None:
+        if self.thread is not None:
+            self.thread.join(self.env.knobs.timeout_s)
+        if self.errors:
+            errors, self.errors = self.errors, []
+            raise RuntimeError("\n".join(errors))
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class PgMethod:
+    """torchft's PGTransport over ProcessGroupGloo, into existing tensors or fresh ones."""
+
+    name: str
+    into_targets: bool
+    anchor: bool = False
+    requires: frozenset[str] = frozenset({TORCHFT, NUMPY})
+
+    def serve(self, env: SendEnv) -> Serving:
+        return _PgServing(env)
+
+    def receiver(self, env: RecvEnv) -> Receiving:
+        group = _process_group(env.metadata, env.step, env.rank, env.world, env.timeout)
+        state = env.target_state
+        transport = _pg_transport(group, env.timeout, (lambda: state) if self.into_targets else None)
+        return _TransportReceiving(env, transport)
+
+
+METHODS: dict[str, Method] = {
+    method.name: method
+    for method in (
+        TcpMethod("tcp-reused", into_targets=True),
+        TcpMethod("tcp-fresh", into_targets=False),
+        BareZmqMethod(),
+        ZmqMethod("zmq-inplace", into_targets=True),
+        ZmqMethod("zmq-fresh", into_targets=False),
+        HttpMethod("http", chunks=0),
+        HttpMethod("http-4", chunks=4),
+        PgMethod("pg-inplace", into_targets=True),
+        PgMethod("pg-fresh", into_targets=False),
+    )
+}

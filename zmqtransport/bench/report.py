@@ -1,0 +1,200 @@
+"""Tables and JSON for benchmark results, and a description of the machine."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import zmq
+
+from .config import Knobs
+from .methods import METHODS
+from .runner import MethodSummary, ScenarioResult
+from .targets import Target, evaluate_targets
+
+_MIB = float(1 << 20)
+
+
+def machine_description() -> dict[str, Any]:
+    model = platform.processor() or "unknown cpu"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    memory = 0
+    with contextlib.suppress(OSError, ValueError):
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    thp = "unknown"
+    with (
+        contextlib.suppress(OSError),
+        open("/sys/kernel/mm/transparent_hugepage/enabled") as enabled,
+    ):
+        thp = enabled.read().strip()
+    load = "unknown"
+    with contextlib.suppress(OSError):
+        load = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+    }
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        versions["torchft"] = importlib.metadata.version("torchft")
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "memory_gib": round(memory / (1 << 30), 1),
+        "kernel": platform.release(),
+        "transparent_hugepage": thp,
+        "load_average": load,
+        "versions": versions,
+    }
+
+
+def human_bytes(nbytes: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.4g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.4f}" if value < 0.1 else f"{value:.3f}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for number, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+        if number == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    return lines
+
+
+def _title(result: ScenarioResult) -> str:
+    scenario = result.scenario
+    where = "loopback"
+    if scenario.lab is not None:
+        where = f"lab: {scenario.receivers + 1} hosts x {scenario.lab.nics} NIC(s) at {scenario.lab.rate_mbit:g} Mbit/s"
+    return (
+        f"scenario {scenario.name}: {human_bytes(scenario.total_bytes)} as {len(scenario.tensor_sizes)} float32 "
+        f"tensor(s) of {human_bytes(scenario.tensor_bytes)}, {scenario.receivers} receiver(s), {where}; "
+        f"{scenario.reps} trial(s), fresh receiver processes, {scenario.settle_s:g} s settle, "
+        f"medians ({result.wall_seconds:.0f} s wall)"
+    )
+
+
+def _notes(result: ScenarioResult) -> list[str]:
+    scenario, notes = result.scenario, []
+    count = len(scenario.tensor_sizes)
+    partial = [
+        f"{m} ({e.in_place_tensors}/{count})"
+        for m, e in result.summary.items()
+        if METHODS[m].into_targets and e.in_place_tensors != count
+    ]
+    if partial:
+        notes.append("note: tensors received in place fewer than expected: " + ", ".join(partial))
+    if not result.peak_resettable:
+        notes.append("note: /proc/self/clear_refs unavailable; RSS columns are lifetime peaks (upper bounds)")
+    return notes
+
+
+def format_result(result: ScenarioResult) -> str:
+    """The loopback table: cold seconds (first receive in a fresh process), ratios to anchors."""
+    if result.scenario.lab is not None:
+        return format_lab_result(result)
+    scenario = result.scenario
+    anchors = [a for a in result.summary if METHODS[a].anchor]
+    multi = scenario.receivers > 1
+    header = ["method", "cold slowest s" if multi else "cold s"]
+    header += ["fastest s", "slow/fast"] if multi else []
+    header += ["warm s"] if scenario.warm else []
+    header += ["GB/s", *(f"x {a}" for a in anchors), "send +MiB", "recv +MiB"]
+    rows = [header]
+    for method, entry in result.summary.items():
+        row = [method, _seconds(entry.slowest_s)]
+        row += [_seconds(entry.fastest_s), f"{entry.spread:.2f}"] if multi else []
+        row += [_seconds(entry.warm_slowest_s or 0.0)] if scenario.warm else []
+        row += [f"{entry.gbps:.3g}", *(f"{entry.ratios[a]:.2f}" for a in anchors)]
+        row += [f"{entry.send_rss_max / _MIB:.0f}", f"{entry.recv_rss_max / _MIB:.0f}"]
+        rows.append(row)
+    return "\n".join([_title(result), *_table(rows), *_notes(result)])
+
+
+def _ideal_s(result: ScenarioResult) -> float:
+    """State bytes over what the receiver's NICs can take at their nominal rate."""
+    lab = result.scenario.lab
+    assert lab is not None
+    return result.scenario.total_bytes / (lab.nics * lab.rate_mbit * 1e6 / 8)
+
+
+def _lab_row(result: ScenarioResult, entry: MethodSummary, ideal: float) -> list[str]:
+    total = result.scenario.total_bytes
+    sent = sum(entry.source_sent)
+    if result.scenario.receivers == 1:
+        row = [entry.method, _seconds(entry.slowest_s), f"{entry.slowest_s / ideal:.2f}"]
+    else:
+        row = [entry.method, _seconds(entry.slowest_s), _seconds(entry.fastest_s)]
+        row += [f"{entry.slowest_s / ideal:.2f}", f"{entry.fastest_s / ideal:.2f}"]
+    row += [f"{sent / _MIB:.1f}", f"{sent / total:.2f}"]
+    if len(entry.source_sent) > 1:
+        row.append("/".join(f"{nic / _MIB:.0f}" for nic in entry.source_sent))
+    return row
+
+
+def format_lab_result(result: ScenarioResult) -> str:
+    """The lab table: receiver times against the link-bound ideal, and the source's upload."""
+    ideal = _ideal_s(result)
+    if result.scenario.receivers == 1:
+        header = ["method", "seconds", "x ideal"]
+    else:
+        header = ["method", "slowest s", "fastest s", "slowest x ideal", "fastest x ideal"]
+    header += ["source sent MiB", "sent/state"]
+    nics = result.scenario.lab.nics if result.scenario.lab is not None else 1
+    if nics > 1:
+        header.append("per NIC MiB")
+    rows = [header] + [_lab_row(result, entry, ideal) for entry in result.summary.values()]
+    explained = "state bytes / the nominal rate of one receiver's NICs together"
+    lines = [_title(result), f"ideal: {_seconds(ideal)} s ({explained})"]
+    return "\n".join([*lines, *_table(rows), *_notes(result)])
+
+
+def format_targets(targets: Sequence[Target]) -> str:
+    lines = ["targets (issue 4, measured cold):"]
+    for target in targets:
+        relation = ">=" if target.higher_is_better else "<="
+        verdict = "holds" if target.holds else "MISSED"
+        lines.append(
+            f"  [{target.scenario}] {target.text}: {target.measured:.3g} (target {relation} {target.limit:g}) {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(results: Sequence[ScenarioResult], knobs: Knobs, argv: Sequence[str]) -> dict[str, Any]:
+    return {
+        "command": ["python", "-m", "zmqtransport.bench", *argv],
+        "machine": machine_description(),
+        "knobs": {**asdict(knobs), "extra": dict(knobs.extra)},
+        "scenarios": [
+            {
+                "scenario": asdict(result.scenario),
+                "tensors": len(result.scenario.tensor_sizes),
+                "wall_seconds": result.wall_seconds,
+                "peak_resettable": result.peak_resettable,
+                "summary": {m: asdict(e) for m, e in result.summary.items()},
+                "trials": [asdict(t) for t in result.trials],
+            }
+            for result in results
+        ],
+        "targets": [{**asdict(t), "holds": t.holds} for t in evaluate_targets(results)],
+    }
