@@ -8,8 +8,10 @@
                                            scheduler.Scheduler (pure: transfers, credit,
                                              parked requests, limits, stalls)
     router.Router   the ROUTER socket (options, bind, rebind on the same port)
+    outbox.Outbox   carries out the scheduler's actions on the socket; SentLog of finished sends
     pump.DataPump   data messages for the transfers the scheduler offers (device staging)
-    frames.HeldFrames  zero-copy frames libzmq still holds; when a disallow may return
+    frames.HeldFrames  frames libzmq still holds, per transfer: progress, stuck receivers,
+                       when to close the socket, when a disallow may return
     staged.Staged   what is served: the header and the memory of one step
 """
 

@@ -27,7 +27,6 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,15 +37,15 @@ from ..device import DeviceStaging, SendStager
 from ..errors import ProtocolError
 from ..stats import TransferStats
 from .frames import HeldFrames
+from .outbox import Outbox, SentLog
 from .pump import DataPump
 from .router import Configure, Router
-from .scheduler import Abort, Action, Finish, Key, Refuse, Scheduler, SendHeader, Transfer
+from .scheduler import Refuse, Scheduler
 from .staged import Staged
 
 # The sending side logs under one name, as it did before it was split in modules.
 logger = logging.getLogger("zmqtransport.sender")
 
-_SENT_HISTORY = 256  # finished sends remembered for sent_since()
 # Seconds.
 DISALLOW_POLL = 0.005  # how often a waiting disallow checks the zero-copy frames
 DISALLOW_GRACE = 30.0  # beyond the timeout: the forced release and the rebind
@@ -101,29 +100,6 @@ class WakePipe:
             os.close(self._write)
 
 
-class SentLog:
-    """Finished sends (newest last, bounded) and how many there were in all.
-
-    Written by the serving thread, read by any: the lock keeps the pair consistent.
-    """
-
-    def __init__(self, history: int = _SENT_HISTORY) -> None:
-        self._recent: deque[TransferStats] = deque(maxlen=history)
-        self._count = 0
-        self._lock = threading.Lock()
-
-    def record(self, stats: TransferStats) -> None:
-        with self._lock:
-            self._recent.append(stats)
-            self._count += 1
-
-    def since(self, cursor: int) -> tuple[int, list[TransferStats]]:
-        with self._lock:
-            count, recent = self._count, list(self._recent)
-        fresh = max(0, count - max(cursor, 0))
-        return count, recent[len(recent) - min(fresh, len(recent)) :]
-
-
 class Server:
     """Serves staged checkpoints on one ROUTER socket from one thread."""
 
@@ -164,6 +140,7 @@ class Server:
         self._stager = SendStager(staging if staging is not None else DeviceStaging())
         self._pump = DataPump(self._scheduler, self._router, self._stager, self._held)
         self._sent = SentLog()
+        self._outbox = Outbox(self._router, self._scheduler, self._sent)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"zmqtransport-serve-{self.port}", daemon=True)
         self._thread.start()
@@ -226,7 +203,7 @@ class Server:
                     self._drop_disconnected()
                 if self._router.socket in events:
                     self._read_requests()
-                self._execute(self._pump.run())
+                self._outbox.execute(self._pump.run())
                 if self._housekeeping():
                     poller = self._poller()  # the socket was rebuilt
         except Exception:
@@ -252,14 +229,14 @@ class Server:
                 return
             match command:
                 case StageCommand(staged):
-                    self._execute(self._scheduler.stage(staged, time.monotonic()))
+                    self._outbox.execute(self._scheduler.stage(staged, time.monotonic()))
                 case DisallowCommand(done):
                     self._on_disallow(done)
                 case StopCommand():
                     self._stopping = True
 
     def _on_disallow(self, done: threading.Event) -> None:
-        self._execute(self._scheduler.disallow())
+        self._outbox.execute(self._scheduler.disallow())
         # Device tensors must not be read once disallow returns: drop every lane
         # and wait for the copies already issued (a few chunks at most).
         self._stager.retain(())
@@ -270,15 +247,15 @@ class Server:
         self._drop_disconnected()  # first: see Router.disconnected
         for peer, address, frames in self._router.read():
             if len(frames) != 1:
-                self._execute([Refuse(peer, 0, wire.ERR_BAD_REQUEST, "expected one envelope frame")])
+                self._outbox.execute([Refuse(peer, 0, wire.ERR_BAD_REQUEST, "expected one envelope frame")])
                 continue
             try:
                 request = wire.decode_request(frames[0].buffer)
             except ProtocolError as exc:
                 logger.warning("bad request from %s: %s", address, exc)
-                self._execute([Refuse(peer, 0, exc.code, str(exc))])
+                self._outbox.execute([Refuse(peer, 0, exc.code, str(exc))])
                 continue
-            self._execute(self._scheduler.on_request(peer, request, address, time.monotonic()))
+            self._outbox.execute(self._scheduler.on_request(peer, request, address, time.monotonic()))
 
     def _drop_disconnected(self) -> None:
         for peer in self._router.disconnected():
@@ -286,38 +263,11 @@ class Server:
                 step, address = transfer.staged.step, transfer.address
                 logger.warning("dropping transfer of step %d to %s: its connection closed", step, address)
 
-    def _execute(self, actions: list[Action]) -> None:
-        """Carry out what the scheduler decided, telling it about messages that could not go out."""
-        undelivered: set[Key] = set()  # headers that did not go out: nothing follows them
-        for action in actions:
-            match action:
-                case SendHeader():
-                    if not self._router.send(action.peer, [wire.header_envelope(action.xfer), action.header_body]):
-                        undelivered.add(action.key)
-                        self._scheduler.undelivered(action, time.monotonic())
-                    elif action.header_only:
-                        self._router.send(action.peer, [wire.end_reply(action.xfer)])
-                case Refuse():
-                    reply = wire.error_reply(action.xfer, action.code, action.message)
-                    if not self._router.send(action.peer, [reply]):
-                        self._scheduler.undelivered(action, time.monotonic())
-                case Abort(transfer, code, message):
-                    step, address = transfer.staged.step, transfer.address
-                    logger.warning("aborting transfer of step %d to %s: %s", step, address, message)
-                    self._router.send(transfer.peer, [wire.error_reply(transfer.xfer, code, message)])
-                case Finish(transfer, seconds):
-                    if transfer.key not in undelivered:
-                        self._finish(transfer, seconds)
-
-    def _finish(self, transfer: Transfer, seconds: float) -> None:
-        self._router.send(transfer.peer, [wire.end_reply(transfer.xfer)])
-        self._sent.record(_served(transfer, seconds))
-
     def _housekeeping(self) -> bool:
         """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
         now = time.monotonic()
         self._scheduler.progress(self._held.poll(now), now)
-        self._execute(self._scheduler.expire(now))
+        self._outbox.execute(self._scheduler.expire(now))
         self._stager.retain(self._scheduler.transfers)
         if not self._held.must_close(now, transfers_running=bool(self._scheduler.transfers)):
             return False
@@ -336,7 +286,7 @@ class Server:
         return True
 
     def _shutdown_in_thread(self) -> None:
-        self._execute(self._scheduler.shutdown())
+        self._outbox.execute(self._scheduler.shutdown())
         self._router.close()
         for tracker in self._held.trackers():
             try:
@@ -349,29 +299,6 @@ class Server:
             logger.exception("zmqtransport: synchronising device copies at shutdown failed")
         self._held.release_waiters()
         self._wake.close()
-
-
-def _served(transfer: Transfer, seconds: float) -> TransferStats:
-    """Log a finished transfer (one INFO line) and describe it."""
-    seconds = max(seconds, 1e-9)
-    staged = transfer.staged
-    nbytes = staged.total_bytes
-    logger.info(
-        "served step %d to %s: %d bytes in %.3f s (%.2f GB/s)",
-        staged.step,
-        transfer.address,
-        nbytes,
-        seconds,
-        nbytes / seconds / 1e9,
-    )
-    return TransferStats(
-        peer=transfer.address,
-        step=staged.step,
-        bytes=nbytes,
-        tensors=len(staged.tree.tensors),
-        messages=staged.messages,
-        seconds=seconds,
-    )
 
 
 __all__ = ["Server", "Staged"]
