@@ -32,6 +32,7 @@ import zmq
 
 from zmqtransport import BindError, ZMQTransport, buffers, device, receiver, security, sender, sockets
 from zmqtransport.net import PeerAddress
+from zmqtransport.serve import server as serve_server
 
 pytestmark = pytest.mark.timeout(120)  # a backstop: each wait below is bounded on its own
 
@@ -212,7 +213,7 @@ def test_server_releases_socket_and_pipe_when_its_thread_cannot_start(monkeypatc
                 raise RuntimeError("can't start new thread")
             super().start()
 
-    monkeypatch.setattr(sender.threading, "Thread", Unstartable)
+    monkeypatch.setattr(serve_server.threading, "Thread", Unstartable)  # where the serving thread starts
     context = new_context()
     expect_error(lambda: sender.Server(context, LOOPBACK, 0, 1.0), RuntimeError)
     assert sockets.terminate(context, HANG_S), "the ROUTER was left open"

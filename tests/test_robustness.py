@@ -884,7 +884,7 @@ def test_parked_requests_from_one_peer_respect_the_per_peer_limit(receiver: ZMQT
         for xfer in range(100):
             sock.send(envelope(id=xfer, wait_ms=60_000, credit=1))
         deadline = time.monotonic() + 10
-        while len(sender._server._pending) < 100 and time.monotonic() < deadline:
+        while len(sender._server._scheduler.parked) < 100 and time.monotonic() < deadline:
             time.sleep(0.01)
         sender.send_checkpoint([1], STEP, state, TIMEOUT)
         ops: list[tuple[str, Any]] = []

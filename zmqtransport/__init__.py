@@ -19,6 +19,7 @@ from .errors import (
     RemoteError,
     StalledError,
     TransportError,
+    VersionMismatchError,
 )
 from .stats import TransferStats
 from .transport import ZMQTransport
@@ -35,6 +36,7 @@ __all__ = [
     "StalledError",
     "TransferStats",
     "TransportError",
+    "VersionMismatchError",
     "ZMQTransport",
 ]
 __version__ = "0.1.0"

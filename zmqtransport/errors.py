@@ -17,7 +17,18 @@ class ProtocolError(TransportError, ValueError):
 
     Raised by the decoders in :mod:`zmqtransport.wire` and :mod:`zmqtransport.tree`
     for anything a peer sent that cannot be trusted; never leaves partial state.
+
+    ``code`` is the error code a server answers such a request with
+    (docs/protocol.md, "Error codes"); callers branch on it, never on the text.
     """
+
+    code = "bad_request"
+
+
+class VersionMismatchError(ProtocolError):
+    """The peer speaks another protocol version; the message names both versions."""
+
+    code = "version"
 
 
 class RemoteError(TransportError):

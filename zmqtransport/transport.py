@@ -3,7 +3,7 @@
 Threading contract:
 
 * construction binds one ROUTER socket and starts one serving thread that
-  alone uses it (:mod:`zmqtransport.sender`);
+  alone uses it (:mod:`zmqtransport.serve`);
 * ``send_checkpoint`` and ``disallow_checkpoint`` may be called from any
   thread; they hand work to the serving thread and never touch its socket;
 * ``recv_checkpoint`` runs in the calling thread with a DEALER socket of its
@@ -24,12 +24,12 @@ import torch
 import zmq
 
 from . import security, sockets, wire
-from .codec.skeleton import encode_tree
 from .contract import CheckpointTransport, register_with_torchft
-from .device import DeviceStaging, fresh_device, prepare_send
+from .device import DeviceStaging, fresh_device
 from .net import PeerAddress, choose_advertise_host, parse_metadata
 from .receiver import FetchOptions, ProgressCallback, fetch, fetch_header, paused_gc
-from .sender import Server, Staged
+from .serve import Server
+from .serve.staged import stage
 from .stats import TransferStats
 
 T = TypeVar("T")
@@ -39,10 +39,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_PACK_BELOW = 64 * 1024
 DEFAULT_WINDOW = 16
-# Seconds a receive waits for the source's next data message, mid-transfer,
-# before it fails as stalled. Healthy transfers under load waited at most 0.33 s
-# (3 receivers x 1 GiB fresh on 2 cores, scripts/stall_gaps.py; docs/protocol.md,
-# "Dead and stalled sources"): 5 s leaves a wide margin.
+# The stall bound's default, in seconds (docs/protocol.md, "Liveness" and "Dead
+# and stalled sources"). Healthy transfers under load waited at most 0.33 s for a
+# data message (3 receivers x 1 GiB fresh on 2 cores, scripts/stall_gaps.py);
+# a receiver frozen for longer than this is dropped by its source. 5 s leaves a
+# wide margin above both and stays far below torchft's usual 60 s timeouts.
 DEFAULT_STALL_TIMEOUT = 5.0
 
 
@@ -50,9 +51,30 @@ class ZMQTransport(CheckpointTransport[T]):
     """Serve and fetch training state over ZeroMQ, without pickle.
 
     Args:
-        timeout: the transport timeout. A receiver that grants no credit for
-            this long is dropped, and ``disallow_checkpoint`` never waits longer
-            than this for receivers to let go of the staged memory.
+        timeout: the transport timeout: bounds a whole receive, and
+            ``disallow_checkpoint`` never waits longer than this for receivers
+            to let go of the staged memory.
+        stall_timeout: the stall bound (``timedelta`` or seconds; default 5 s;
+            ``None``: no bound but ``timeout``), distinct from ``timeout``,
+            which a large checkpoint on a slow link may need to be long. When
+            receiving, once the header has arrived, a source that sends nothing
+            for this long fails the receive with
+            :class:`zmqtransport.StalledError` (a ``TimeoutError``); only time
+            spent waiting for the source counts, and ZMTP heartbeats (off with
+            ``None``) notice a host that vanished without closing its
+            connection. A source whose connection ends mid-transfer fails the
+            receive with :class:`zmqtransport.ConnectionLostError` at once,
+            whatever this is (docs/protocol.md, "Dead and stalled sources"). When sending,
+            a receiver that neither grants credit nor takes data for this long
+            is stalled: its transfer is dropped (error ``stalled``), and the
+            zero-copy frames queued for it are released by closing and
+            rebinding the socket as soon as no progressing receiver would lose
+            data, at the latest when ``disallow_checkpoint`` is called, which
+            then does not wait for it. A receiver that makes progress, however
+            slowly, is never cut. It must exceed the time one data message
+            (``chunk_bytes``) takes on the slowest link. A receiver whose
+            connection closes (process killed, connection reset) is dropped at
+            once. See docs/protocol.md, "Liveness".
         bind_host: interface to listen on; ``"*"`` (default) means all of them.
         port: TCP port to listen on; 0 (default) picks a free one.
         advertise_host: the host put in :meth:`metadata`. Default: see
@@ -93,15 +115,6 @@ class ZMQTransport(CheckpointTransport[T]):
             transparent huge pages. Faster where huge pages are cheap; slower
             on VMs whose host must back each one (docs/performance.md).
         progress: ``callback(bytes_done, bytes_total)`` called while receiving.
-        stall_timeout: once a transfer has started (the header arrived), a
-            receive whose source sends nothing for this long fails with
-            :class:`zmqtransport.StalledError` (a ``TimeoutError``), however
-            far off ``timeout`` still is; only time spent waiting for the
-            source counts. ``None`` turns the bound (and the ZMTP heartbeats
-            that notice a vanished host) off. A source whose connection ends
-            mid-transfer (process killed, reset) fails the receive with
-            :class:`zmqtransport.ConnectionLostError` at once, whatever this is.
-            See docs/protocol.md, "Dead and stalled sources".
         curve_secret: turn on CurveZMQ encryption and authentication with this
             job secret (at least 16 bytes; default ``$ZMQTRANSPORT_CURVE_SECRET``).
             Every rank given the same secret derives the same client key and
@@ -122,6 +135,7 @@ class ZMQTransport(CheckpointTransport[T]):
         self,
         timeout: timedelta,
         *,
+        stall_timeout: timedelta | float | None = DEFAULT_STALL_TIMEOUT,
         bind_host: str = "*",
         port: int = 0,
         advertise_host: str | None = None,
@@ -138,7 +152,6 @@ class ZMQTransport(CheckpointTransport[T]):
         prefault_threads: int = 2,
         huge_pages: bool = False,
         progress: ProgressCallback | None = None,
-        stall_timeout: timedelta | float | None = DEFAULT_STALL_TIMEOUT,
         curve_secret: str | bytes | None = None,
         curve_allowed_clients: Iterable[str | bytes] | None = None,
         curve_client_keypair: security.KeyPair | tuple[bytes, bytes] | None = None,
@@ -153,13 +166,13 @@ class ZMQTransport(CheckpointTransport[T]):
             raise ValueError(f"window={window}: must be in [1, {wire.MAX_CREDIT}]")
         if not timeout > timedelta(0):
             raise ValueError(f"timeout={timeout}: must be positive")
+        stall_seconds = _seconds_or_none(stall_timeout)
+        if stall_seconds is not None and not stall_seconds > 0:
+            raise ValueError(f"stall_timeout={stall_timeout!r}: must be positive or None")
         if type(io_threads) is not int or io_threads < 1:
             # libzmq accepts 0 and then fails every TCP bind with "No thread available".
             raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
         sockets.check_port(port)
-        stall_seconds = stall_timeout.total_seconds() if isinstance(stall_timeout, timedelta) else stall_timeout
-        if stall_seconds is not None and not stall_seconds > 0:
-            raise ValueError(f"stall_timeout={stall_timeout!r}: must be positive or None")
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._pack_below = pack_below
@@ -203,6 +216,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 timeout.total_seconds(),
                 configure=configure,
                 staging=self._staging,
+                stall=stall_seconds,
             )
         except BaseException:
             # The Server closed its own socket; the ZAP handler's thread and
@@ -228,31 +242,16 @@ class ZMQTransport(CheckpointTransport[T]):
         path of any leaf that cannot be sent.
         """
         self._check_open()
-        if type(step) is not int or not 0 <= step <= wire.MAX_STEP:
-            raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
         with paused_gc():  # see receiver.paused_gc: many tensors, no cycles
-            encoded = encode_tree(state_dict, self._allow_pickle)
-        if len(encoded.tensors) > wire.MAX_TENSORS:
-            # Receivers refuse such a header (wire.decode_header); say so here, once.
-            raise ValueError(
-                f"the state holds {len(encoded.tensors)} tensors; "
-                f"receivers accept at most {wire.MAX_TENSORS}"
+            staged = stage(
+                state_dict,
+                step,
+                allow_pickle=self._allow_pickle,
+                chunk_bytes=self._chunk_bytes,
+                pack_below=self._pack_below,
+                checksum=self._checksum,
+                staging=self._staging,
             )
-        storages = [ref.nbytes for ref in encoded.storages]
-        header = wire.Header(
-            step=step,
-            skeleton=encoded.skeleton,
-            tensors=encoded.tensors,
-            storages=storages,
-            chunk_bytes=self._chunk_bytes,
-            pack_below=self._pack_below,
-            checksum=self._checksum,
-        )
-        plan = wire.plan_chunks(storages, self._chunk_bytes, self._pack_below)
-        # CUDA storages are not copied here: the serving thread stages them
-        # through pinned buffers; this only notes where the caller's stream is.
-        device_plan = prepare_send(encoded, plan, self._staging)
-        staged = Staged(step, header.body(), encoded, plan, self._checksum, [None] * len(plan), device_plan=device_plan)
         self._server.stage(staged)
 
     def disallow_checkpoint(self) -> None:
@@ -365,6 +364,16 @@ class ZMQTransport(CheckpointTransport[T]):
 
     def __repr__(self) -> str:
         return f"ZMQTransport({self.metadata()!r})"
+
+
+def _seconds_or_none(value: timedelta | float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a timedelta, seconds or None, got {type(value).__name__}")
+    return float(value)
 
 
 register_with_torchft(ZMQTransport)

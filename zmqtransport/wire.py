@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import ProtocolError
+from .errors import ProtocolError, VersionMismatchError
 
 PROTOCOL_VERSION = 1
 
@@ -29,9 +29,10 @@ OP_ERROR = "error"
 REQUEST_OPS = (OP_FETCH, OP_CREDIT, OP_CANCEL)
 REPLY_OPS = (OP_HEADER, OP_DATA, OP_END, OP_ERROR)
 
-# Error codes carried by OP_ERROR replies.
-ERR_VERSION = "version"
-ERR_BAD_REQUEST = "bad_request"
+# Error codes carried by OP_ERROR replies. The two for undecodable requests are
+# the codes of the exceptions the decoders raise, so a server answers with exc.code.
+ERR_VERSION = VersionMismatchError.code
+ERR_BAD_REQUEST = ProtocolError.code
 ERR_WRONG_STEP = "wrong_step"
 ERR_NOT_STAGED = "not_staged"
 ERR_DISALLOWED = "disallowed"
@@ -83,7 +84,7 @@ def _field(message: dict[str, Any], name: str, kind: type | tuple[type, ...]) ->
 def check_version(message: dict[str, Any], who: str) -> None:
     version = message.get("v")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
+        raise VersionMismatchError(
             f"protocol version mismatch: {who} speaks version {version!r}, "
             f"this side speaks version {PROTOCOL_VERSION}"
         )

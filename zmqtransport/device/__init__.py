@@ -21,11 +21,12 @@ for the transport's lifetime, so a step allocates no pinned memory.
 
 Threading (who owns what):
 
-* a :class:`SendStager` belongs to one ``sender.Server`` and is used only by
-  its serving thread, which thus owns the send ring and the side stream of each
-  of the stager's copy engines. The only cross-thread input is the *producer
-  marker* that ``send_checkpoint`` records on the calling thread's current
-  stream, which the side stream waits for before its first copy of that step;
+* a :class:`SendStager` belongs to one ``serve.Server`` and is used only by
+  its serving thread (the data pump, serve/pump.py), which thus owns the send
+  ring and the side stream of each of the stager's copy engines. The only
+  cross-thread input is the *producer marker* that ``send_checkpoint`` records
+  on the calling thread's current stream, which the side stream waits for
+  before its first copy of that step;
 * a :class:`RecvUnstager` is borrowed from its :class:`DeviceStaging` by one
   receiving thread for one ``recv_checkpoint`` and given back when that call
   ends; while borrowed, that thread alone uses its ring and side streams;

@@ -1,0 +1,251 @@
+"""The sending side notices dead and stalled receivers in seconds (issue 15), with real processes.
+
+A frozen receiver is a process that sent itself SIGSTOP mid-transfer (its
+libzmq threads stop with it, so the sender's frames pile up in the sender's
+queue); a dead one sent itself SIGKILL. Time bounds are the feature's bounds
+(the stall bound plus one second) or hang detectors, never performance claims.
+All traffic stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from zmqtransport import ZMQTransport, wire
+
+LOOPBACK = "127.0.0.1"
+MiB = 2**20
+pytestmark = pytest.mark.timeout(180)
+
+
+def big_state(seed: int, megabytes: int = 64) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "weight": torch.randn(megabytes * MiB // 4, generator=generator),
+        "bias": torch.randn(1000, generator=generator),
+        "step": seed,
+    }
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def _receive_then_freeze(metadata: str, step: int) -> None:
+    """Start receiving; SIGSTOP this whole process (its libzmq threads too) on the first data."""
+
+    def freeze(done: int, total: int) -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    receiver: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=120), bind_host=LOOPBACK, progress=freeze)
+    receiver.recv_checkpoint(0, metadata, step, timedelta(seconds=120))
+
+
+def _fetch_two_then_die(endpoint: str, step: int, stamp: str) -> None:
+    """Ask for ``step`` with credit 2, read the header and both data messages, then SIGKILL
+    this process: the sender's transfer has no credit left, so no send of its can fail."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send(wire.fetch_request(1, step, 10_000, 2, False))
+    for _ in range(3):
+        sock.recv_multipart()
+    Path(stamp).write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_until_stopped(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s")
+
+
+def closing_logged(caplog: pytest.LogCaptureFixture) -> bool:
+    return any("closing the socket" in record.getMessage() for record in caplog.records)
+
+
+def test_frozen_receiver_does_not_hold_up_disallow_past_the_stall_bound(
+    spawn: mp.context.SpawnContext, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a 60 s transport timeout, disallow returns within the stall bound + 1 s of a
+    receiver freezing mid-transfer; the next receiver on the same port gets the next step."""
+    stall = 2.0
+    state = big_state(21)
+    # 8 MiB frames: the frozen receiver's window (16) covers the whole state,
+    # far more than the kernel buffers absorb, so frames really stay queued here.
+    sender: ZMQTransport[Any] = ZMQTransport(
+        timedelta(seconds=60), stall_timeout=stall, bind_host=LOOPBACK, chunk_bytes=8 * MiB
+    )
+    fresh: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=30), bind_host=LOOPBACK)
+    frozen = spawn.Process(target=_receive_then_freeze, args=(sender.metadata(), 1))
+    try:
+        sender.send_checkpoint([1], 1, state, timedelta(seconds=60))
+        port = sender.address.port
+        frozen.start()
+        wait_until_stopped(frozen.pid or 0, 60)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="zmqtransport"):
+            sender.disallow_checkpoint()
+        elapsed = time.monotonic() - started
+        print(f"disallow_checkpoint returned {elapsed:.2f} s after the receiver froze (stall bound {stall} s)")
+        assert elapsed <= stall + 1.0, f"disallow_checkpoint took {elapsed:.2f} s"
+        assert closing_logged(caplog), "the frozen receiver held no frames: the test did not exercise the stall"
+
+        state["weight"].mul_(-1)  # libzmq no longer references it
+        state["step"] = 2
+        sender.send_checkpoint([1], 2, state, timedelta(seconds=60))
+        assert sender.address.port == port
+        assert_same(fresh.recv_checkpoint(0, sender.metadata(), 2, timedelta(seconds=30)), state)
+        sender.disallow_checkpoint()
+    finally:
+        if frozen.pid is not None:
+            os.kill(frozen.pid, signal.SIGKILL)  # works on a stopped process
+        frozen.join(30)
+        fresh.shutdown()
+        sender.shutdown()
+
+
+def test_frozen_receiver_is_dropped_and_its_frames_freed_without_a_disallow(
+    spawn: mp.context.SpawnContext, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the step stays staged and nothing else runs, the stalled transfer's frames
+    are freed once the stall bound passes; a later disallow does not wait again."""
+    stall = 1.5
+    state = big_state(22)
+    sender: ZMQTransport[Any] = ZMQTransport(
+        timedelta(seconds=60), stall_timeout=timedelta(seconds=stall), bind_host=LOOPBACK, chunk_bytes=8 * MiB
+    )
+    frozen = spawn.Process(target=_receive_then_freeze, args=(sender.metadata(), 1))
+    try:
+        with caplog.at_level(logging.WARNING, logger="zmqtransport"):
+            sender.send_checkpoint([1], 1, state, timedelta(seconds=60))
+            frozen.start()
+            wait_until_stopped(frozen.pid or 0, 60)
+            frozen_at = time.monotonic()
+            deadline = frozen_at + stall + 10
+            while not closing_logged(caplog) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            freed_after = time.monotonic() - frozen_at
+        print(f"frozen receiver's frames freed {freed_after:.2f} s after it froze (stall bound {stall} s)")
+        assert closing_logged(caplog), "the frozen receiver's frames were never freed"
+        assert freed_after <= stall + 1.0, f"freed {freed_after:.2f} s after the freeze"
+        started = time.monotonic()
+        sender.disallow_checkpoint()
+        assert time.monotonic() - started < 1.0, "disallow waited again for the dropped receiver"
+    finally:
+        if frozen.pid is not None:
+            os.kill(frozen.pid, signal.SIGKILL)
+        frozen.join(30)
+        sender.shutdown()
+
+
+def test_killed_receiver_is_dropped_at_once_not_after_the_stall_bound(
+    spawn: mp.context.SpawnContext, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """A receiver killed while its transfer has no credit left: no send fails, so only the
+    closed connection tells. The transfer is dropped in well under the 30 s stall bound."""
+    state = big_state(23, megabytes=16)
+    sender: ZMQTransport[Any] = ZMQTransport(
+        timedelta(seconds=60), stall_timeout=30, bind_host=LOOPBACK, chunk_bytes=MiB
+    )
+    fresh: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=30), bind_host=LOOPBACK)
+    stamp = tmp_path / "killed_at"
+    try:
+        sender.send_checkpoint([1], 1, state, timedelta(seconds=60))
+        with caplog.at_level(logging.WARNING, logger="zmqtransport"):
+            victim = spawn.Process(target=_fetch_two_then_die, args=(sender.metadata(), 1, str(stamp)))
+            victim.start()
+            victim.join(60)
+            assert victim.exitcode == -signal.SIGKILL
+            deadline = time.monotonic() + 10
+            dropped: list[logging.LogRecord] = []
+            while not dropped and time.monotonic() < deadline:
+                dropped = [r for r in caplog.records if "its connection closed" in r.getMessage()]
+                time.sleep(0.01)
+        assert dropped, "the killed receiver's transfer was not dropped"
+        latency = dropped[0].created - float(stamp.read_text())
+        print(f"killed receiver dropped {latency * 1000:.1f} ms after SIGKILL")
+        assert latency < 2.0, f"dropped {latency:.2f} s after the kill"
+        assert not sender._server._scheduler.transfers
+        started = time.monotonic()
+        sender.disallow_checkpoint()
+        assert time.monotonic() - started < 2.0  # libzmq freed the frames with the connection
+        state["step"] = 2
+        sender.send_checkpoint([1], 2, state, timedelta(seconds=60))
+        assert_same(fresh.recv_checkpoint(0, sender.metadata(), 2, timedelta(seconds=30)), state)
+    finally:
+        fresh.shutdown()
+        sender.shutdown()
+
+
+def test_slow_but_progressing_receiver_is_never_cut() -> None:
+    """A receiver that grants credit only every 2.4 s (longer than the 1.5 s stall bound)
+    but keeps taking data, like one behind a slow link, gets every byte, in order."""
+    stall, messages, batch, pause = 1.5, 40, 16, 0.15
+    payload = torch.arange(messages * MiB // 4, dtype=torch.int32)
+    sender: ZMQTransport[Any] = ZMQTransport(
+        timedelta(seconds=60), stall_timeout=stall, bind_host=LOOPBACK, chunk_bytes=MiB
+    )
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)  # no read-ahead in libzmq: TCP pushes back on the sender
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        sender.send_checkpoint([1], 1, {"w": payload}, timedelta(seconds=60))
+        sock.connect(sender.metadata())
+        sock.send(wire.fetch_request(3, 1, 10_000, batch, False))
+        received = bytearray()
+        ops: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not ops or ops[-1] not in ("end", "error")):
+            if not sock.poll(5000):
+                break
+            frames = sock.recv_multipart()
+            message = msgpack.unpackb(frames[0])
+            ops.append(message["op"])
+            if message["op"] == wire.OP_ERROR:
+                break
+            if message["op"] == wire.OP_DATA:
+                received += frames[1]
+                time.sleep(pause)
+                if (message["seq"] + 1) % batch == 0:
+                    sock.send(wire.credit_request(3, batch))
+        assert ops[0] == "header" and ops[-1] == "end", ops[-3:]
+        assert ops.count("data") == messages
+        assert torch.equal(torch.frombuffer(received, dtype=torch.int32), payload)
+    finally:
+        context.destroy(linger=0)
+        sender.shutdown()
+
+
+def test_stall_timeout_is_validated() -> None:
+    for bad in (0, -1.0, timedelta(0), float("nan")):
+        with pytest.raises(ValueError, match="stall_timeout"):
+            ZMQTransport(timedelta(seconds=5), stall_timeout=bad, bind_host=LOOPBACK)
+    with pytest.raises(TypeError):
+        ZMQTransport(timedelta(seconds=5), stall_timeout="5", bind_host=LOOPBACK)  # type: ignore[arg-type]
+    ZMQTransport(timedelta(seconds=5), stall_timeout=None, bind_host=LOOPBACK).shutdown()
+
+

@@ -1,0 +1,541 @@
+"""The sending side's scheduler, driven directly: a fake clock, fake peers, no sockets.
+
+``Net`` plays the socket owner (zmqtransport/serve/server.py): it carries out the
+scheduler's actions, records what each peer would receive, and reports sends to
+peers that are not connected, as a ROUTER with ROUTER_MANDATORY does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import pytest
+
+from zmqtransport import wire
+from zmqtransport.codec.tensors import EncodedTree
+from zmqtransport.errors import ProtocolError, VersionMismatchError
+from zmqtransport.serve.frames import HeldFrames
+from zmqtransport.serve.scheduler import (
+    IDLE_WAKEUP,
+    Abort,
+    Action,
+    Finish,
+    Limits,
+    Refuse,
+    Scheduler,
+    SendHeader,
+)
+from zmqtransport.serve.staged import Staged
+
+TIMEOUT = 10.0
+STEP = 7
+
+
+def staged(step: int = STEP, messages: int = 8, has_pickle: bool = False) -> Staged:
+    plan = [[wire.Piece(0, i, 1)] for i in range(messages)]
+    return Staged(step, b"header-body", EncodedTree(skeleton=None, has_pickle=has_pickle), plan, None)
+
+
+def fetch(xfer: int = 1, step: int = STEP, credit: int = 4, wait_ms: int = 60_000, **kwargs: Any) -> wire.Request:
+    return wire.Request(wire.OP_FETCH, xfer, step=step, wait_ms=wait_ms, credit=credit, **kwargs)
+
+
+def credit(xfer: int, n: int) -> wire.Request:
+    return wire.Request(wire.OP_CREDIT, xfer, credit=n)
+
+
+@dataclass
+class Net:
+    """Fake peers: what each would receive, as (op, xfer, detail) tuples."""
+
+    scheduler: Scheduler
+    now: float = 1000.0
+    disconnected: set[bytes] = field(default_factory=set)
+    inbox: dict[bytes, list[tuple[str, int, Any]]] = field(default_factory=dict)
+    finished: list[tuple[bytes, int, float]] = field(default_factory=list)
+
+    def deliver(self, peer: bytes, message: tuple[str, int, Any]) -> bool:
+        if peer in self.disconnected:
+            return False
+        self.inbox.setdefault(peer, []).append(message)
+        return True
+
+    def execute(self, actions: list[Action]) -> None:
+        """What the server's _execute does, without a socket."""
+        undelivered = set()
+        for action in actions:
+            if isinstance(action, SendHeader):
+                if not self.deliver(action.peer, ("header", action.xfer, None)):
+                    undelivered.add(action.key)
+                    self.scheduler.undelivered(action, self.now)
+                elif action.header_only:
+                    self.deliver(action.peer, ("end", action.xfer, None))
+            elif isinstance(action, Refuse):
+                if not self.deliver(action.peer, ("error", action.xfer, action.code)):
+                    self.scheduler.undelivered(action, self.now)
+            elif isinstance(action, Abort):
+                self.deliver(action.transfer.peer, ("error", action.transfer.xfer, action.code))
+            elif isinstance(action, Finish) and action.transfer.key not in undelivered:
+                self.deliver(action.transfer.peer, ("end", action.transfer.xfer, None))
+                self.finished.append((action.transfer.peer, action.transfer.xfer, action.seconds))
+
+    def request(self, peer: bytes, request: wire.Request) -> None:
+        self.execute(self.scheduler.on_request(peer, request, f"addr-{peer.hex()}", self.now))
+
+    def pump(self, rounds: int = 1000) -> None:
+        """What DataPump.run does for host memory: one message per transfer per round."""
+        for _ in range(rounds):
+            ready = self.scheduler.next_round()
+            if not ready:
+                return
+            for transfer in ready:
+                self.deliver(transfer.peer, ("data", transfer.xfer, transfer.next_seq))
+                self.execute(self.scheduler.sent(transfer, self.now))
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+        self.execute(self.scheduler.expire(self.now))
+
+    def ops(self, peer: bytes) -> list[tuple[str, Any]]:
+        return [(op, detail) for op, _, detail in self.inbox.get(peer, []) if op != "data"]
+
+    def data(self, peer: bytes, xfer: int | None = None) -> list[int]:
+        return [seq for op, x, seq in self.inbox.get(peer, []) if op == "data" and xfer in (None, x)]
+
+
+@pytest.fixture
+def net() -> Net:
+    return Net(Scheduler(TIMEOUT))
+
+
+# ----------------------------------------------------------------------------- parked requests
+
+
+def test_request_before_staging_waits_and_starts_when_a_step_is_staged(net: Net) -> None:
+    net.request(b"a", fetch())
+    assert net.inbox == {} and len(net.scheduler.parked) == 1
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.pump()
+    assert net.ops(b"a") == [("header", None)]
+    assert net.data(b"a") == [0, 1, 2, 3]  # exactly the granted credit
+    assert net.scheduler.parked == []
+
+
+def test_parked_request_is_refused_not_staged_at_its_deadline_not_before(net: Net) -> None:
+    net.request(b"a", fetch(wait_ms=2000))
+    net.tick(1.999)
+    assert net.inbox == {}
+    net.tick(0.001)
+    assert net.ops(b"a") == [("error", wire.ERR_NOT_STAGED)]
+    assert net.scheduler.parked == []
+
+
+def test_parked_requests_from_one_peer_respect_the_per_peer_limit(net: Net) -> None:
+    for xfer in range(100):
+        net.request(b"a", fetch(xfer=xfer, credit=1))
+    net.request(b"b", fetch(xfer=0, credit=1))
+    net.execute(net.scheduler.stage(staged(), net.now))
+    ops = net.ops(b"a")
+    assert ops.count(("header", None)) == 4
+    assert ops.count(("error", wire.ERR_BUSY)) == 96
+    assert net.ops(b"b") == [("header", None)]  # one peer did not take everyone's slots
+
+
+def test_too_many_parked_requests_are_refused_busy(net: Net) -> None:
+    limit = net.scheduler.limits.parked
+    for xfer in range(limit):
+        net.request(bytes([xfer % 200 + 1]), fetch(xfer=xfer))
+    assert net.inbox == {}
+    net.request(b"late", fetch(xfer=1))
+    assert net.ops(b"late") == [("error", wire.ERR_BUSY)]
+
+
+def test_cancel_forgets_a_parked_request_and_a_running_transfer(net: Net) -> None:
+    net.request(b"a", fetch(xfer=1))
+    net.request(b"a", wire.Request(wire.OP_CANCEL, 1))
+    assert net.scheduler.parked == []
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.request(b"a", fetch(xfer=2, credit=1))
+    net.request(b"a", wire.Request(wire.OP_CANCEL, 2))
+    assert net.scheduler.transfers == {}
+    net.request(b"a", credit(2, 5))
+    net.pump()
+    assert net.data(b"a") == []
+
+
+# ----------------------------------------------------------------------------- limits and refusals
+
+
+def test_at_most_max_transfers_run_at_once(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(), net.now))
+    limit = net.scheduler.limits.transfers
+    for number in range(limit):
+        net.request(f"p{number}".encode(), fetch(credit=1))
+    net.request(b"late", fetch(credit=1))
+    assert len(net.scheduler.transfers) == limit
+    assert net.ops(b"late") == [("error", wire.ERR_BUSY)]
+    net.request(b"p0", wire.Request(wire.OP_CANCEL, 1))  # a slot frees up
+    net.request(b"late", fetch(xfer=2, credit=1))
+    assert net.ops(b"late")[-1] == ("header", None)
+
+
+def test_per_peer_limit_for_requests_arriving_while_staged(net: Net) -> None:
+    net.scheduler = Scheduler(TIMEOUT, limits=Limits(transfers_per_peer=2))
+    net.execute(net.scheduler.stage(staged(), net.now))
+    for xfer in range(3):
+        net.request(b"a", fetch(xfer=xfer, credit=1))
+    assert net.ops(b"a") == [("header", None), ("header", None), ("error", wire.ERR_BUSY)]
+
+
+def test_wrong_step_pickle_and_duplicate_ids_are_refused(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(step=STEP), net.now))
+    net.request(b"a", fetch(xfer=1, step=STEP + 1))
+    assert net.ops(b"a") == [("error", wire.ERR_WRONG_STEP)]
+    net.request(b"a", fetch(xfer=2))
+    net.request(b"a", fetch(xfer=2))
+    assert net.ops(b"a")[1:] == [("header", None), ("error", wire.ERR_BUSY)]
+    net.execute(net.scheduler.stage(staged(has_pickle=True), net.now))
+    net.request(b"b", fetch(xfer=1))
+    net.request(b"c", fetch(xfer=1, accept_pickle=True))
+    assert net.ops(b"b") == [("error", wire.ERR_PICKLE)]
+    assert net.ops(b"c") == [("header", None)]
+
+
+def test_parked_request_for_another_step_is_refused_wrong_step_when_staged(net: Net) -> None:
+    net.request(b"a", fetch(step=STEP - 1))
+    net.execute(net.scheduler.stage(staged(step=STEP), net.now))
+    assert net.ops(b"a") == [("error", wire.ERR_WRONG_STEP)]
+
+
+def test_header_only_sends_header_and_end_and_starts_no_transfer(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.request(b"a", fetch(header_only=True))
+    assert net.ops(b"a") == [("header", None), ("end", None)]
+    assert net.scheduler.transfers == {}
+
+
+def test_empty_step_sends_header_then_end(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(messages=0), net.now))
+    net.request(b"a", fetch())
+    assert net.ops(b"a") == [("header", None), ("end", None)]
+    assert net.finished == [(b"a", 1, 0.0)] and net.scheduler.transfers == {}
+
+
+def test_decoders_raise_errors_that_carry_the_reply_code() -> None:
+    future = msgpack.packb({"v": wire.PROTOCOL_VERSION + 1, "op": "fetch", "id": 1})
+    with pytest.raises(VersionMismatchError) as version:
+        wire.decode_request(future)
+    assert version.value.code == wire.ERR_VERSION == "version"
+    with pytest.raises(ProtocolError) as bad:
+        wire.decode_request(msgpack.packb({"v": wire.PROTOCOL_VERSION, "op": "fly", "id": 1}))
+    assert type(bad.value) is ProtocolError and bad.value.code == wire.ERR_BAD_REQUEST == "bad_request"
+    with pytest.raises(ProtocolError) as garbage:
+        wire.decode_request(b"\xc1")
+    assert garbage.value.code == wire.ERR_BAD_REQUEST
+
+
+# ----------------------------------------------------------------------------- credit and fairness
+
+
+def test_credit_bounds_what_is_sent_and_is_capped(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(messages=wire.MAX_CREDIT + 50), net.now))
+    net.request(b"a", fetch(credit=2))
+    net.pump()
+    assert net.data(b"a") == [0, 1]
+    net.pump()
+    assert net.data(b"a") == [0, 1]  # no credit, nothing more
+    for _ in range(3):
+        net.request(b"a", credit(1, wire.MAX_CREDIT))
+    assert net.scheduler.transfers[(b"a", 1)].credit == wire.MAX_CREDIT
+    net.pump()
+    assert net.data(b"a") == list(range(2 + wire.MAX_CREDIT))
+
+
+def test_credit_for_an_unknown_transfer_is_ignored(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.request(b"a", credit(99, 3))
+    assert net.inbox == {} and net.scheduler.transfers == {}
+
+
+def test_transfer_finishes_after_its_last_message_with_its_duration(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(messages=3), net.now))
+    net.request(b"a", fetch(credit=2))
+    net.pump()
+    net.now += 2.5
+    net.request(b"a", credit(1, 2))
+    net.pump()
+    assert net.data(b"a") == [0, 1, 2]
+    assert net.ops(b"a") == [("header", None), ("end", None)]
+    assert net.finished == [(b"a", 1, 2.5)]
+    assert net.scheduler.transfers == {}
+
+
+def test_round_robin_among_receivers(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(messages=4), net.now))
+    for peer in (b"a", b"b", b"c"):
+        net.request(peer, fetch(credit=4))
+    order: list[bytes] = []
+    while ready := net.scheduler.next_round():
+        for transfer in ready:
+            order.append(transfer.peer)
+            net.execute(net.scheduler.sent(transfer, net.now))
+    assert order == [b"a", b"b", b"c"] * 4
+    assert len(net.finished) == 3
+
+
+def test_a_receiver_without_credit_does_not_hold_up_the_others(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(messages=6), net.now))
+    net.request(b"slow", fetch(credit=1))
+    net.request(b"fast", fetch(credit=6))
+    net.pump()
+    assert net.data(b"slow") == [0]
+    assert net.data(b"fast") == list(range(6))
+
+
+def test_wakeup_in(net: Net) -> None:
+    assert net.scheduler.wakeup_in(net.now) == IDLE_WAKEUP
+    net.request(b"a", fetch(wait_ms=300))
+    assert net.scheduler.wakeup_in(net.now) == pytest.approx(0.3)
+    net.execute(net.scheduler.stage(staged(), net.now))
+    assert net.scheduler.wakeup_in(net.now) == 0.0  # data to send
+    net.pump()
+    net.now += 4
+    assert net.scheduler.wakeup_in(net.now) == IDLE_WAKEUP  # the stall deadline is 6 s away
+    net.now += 5.5
+    assert net.scheduler.wakeup_in(net.now) == pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------- stalls
+
+
+def test_a_receiver_granting_no_credit_for_the_timeout_is_dropped_stalled(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(messages=100), net.now))
+    net.request(b"a", fetch(credit=2))
+    net.pump()
+    net.tick(TIMEOUT)
+    assert (b"a", 1) in net.scheduler.transfers  # exactly the timeout: not yet
+    net.tick(0.01)
+    assert net.ops(b"a") == [("header", None), ("error", wire.ERR_STALLED)]
+    assert net.scheduler.transfers == {}
+
+
+def test_credit_restarts_the_stall_clock(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(messages=100), net.now))
+    net.request(b"a", fetch(credit=1))
+    for _ in range(5):
+        net.pump()
+        net.tick(TIMEOUT * 0.9)
+        net.request(b"a", credit(1, 1))
+    net.pump()
+    net.tick(TIMEOUT * 0.9)
+    assert net.ops(b"a") == [("header", None)]  # slow, but never stalled
+    assert net.data(b"a") == list(range(6))
+
+
+def test_a_transfer_with_credit_left_is_not_stalled(net: Net) -> None:
+    """Only a receiver that withholds credit is stalled; the pump owes this one data."""
+    net.execute(net.scheduler.stage(staged(messages=100), net.now))
+    net.request(b"a", fetch(credit=2))
+    net.tick(TIMEOUT * 3)
+    assert net.ops(b"a") == [("header", None)]
+
+
+# ----------------------------------------------------------------------------- disallow
+
+
+def test_disallow_ends_running_transfers_and_parks_later_requests(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(messages=100), net.now))
+    net.request(b"a", fetch(credit=2))
+    net.request(b"b", fetch(credit=2))
+    net.pump()
+    net.execute(net.scheduler.disallow())
+    for peer in (b"a", b"b"):
+        assert net.ops(peer) == [("header", None), ("error", wire.ERR_DISALLOWED)]
+    assert net.scheduler.transfers == {} and net.scheduler.staged is None
+    net.request(b"a", credit(1, 5))
+    net.pump()
+    assert net.data(b"a") == [0, 1]  # nothing after the disallow
+    net.request(b"c", fetch())
+    assert net.inbox.get(b"c") is None and len(net.scheduler.parked) == 1
+    net.execute(net.scheduler.stage(staged(step=STEP), net.now))
+    assert net.ops(b"c") == [("header", None)]
+
+
+def test_shutdown_ends_transfers_and_parked_requests(net: Net) -> None:
+    net.request(b"p", fetch(step=STEP + 1))
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.request(b"a", fetch())
+    net.scheduler.staged = None
+    net.request(b"q", fetch())
+    net.execute(net.scheduler.shutdown())
+    assert net.ops(b"a") == [("header", None), ("error", wire.ERR_SHUTDOWN)]
+    assert net.ops(b"q") == [("error", wire.ERR_SHUTDOWN)]
+    assert net.scheduler.transfers == {} and net.scheduler.parked == []
+
+
+# ----------------------------------------------------------------------------- unreachable peers
+
+
+def test_data_send_failure_drops_the_transfer(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.request(b"a", fetch())
+    (transfer,) = net.scheduler.next_round()
+    net.scheduler.drop(transfer)
+    assert net.scheduler.next_round() == [] and net.scheduler.transfers == {}
+
+
+def test_request_parked_across_a_rebind_is_retried_until_its_peer_is_back(net: Net) -> None:
+    net.request(b"a", fetch(xfer=1, wait_ms=60_000))
+    for xfer in range(2, 8):  # more than the per-peer limit: none of them may be lost
+        net.request(b"a", fetch(xfer=xfer, wait_ms=60_000))
+    net.scheduler.rebound(net.now)
+    net.disconnected.add(b"a")  # its DEALER has not reconnected yet
+    net.execute(net.scheduler.stage(staged(), net.now))
+    assert net.scheduler.transfers == {} and len(net.scheduler.parked) == 7
+    net.tick(0.5)
+    assert len(net.scheduler.parked) == 7
+    net.disconnected.clear()
+    net.tick(0.1)
+    ops = net.ops(b"a")
+    assert ops.count(("header", None)) == 4 and ops.count(("error", wire.ERR_BUSY)) == 3
+    assert net.scheduler.parked == []
+
+
+def test_undeliverable_header_outside_the_rebind_grace_is_dropped(net: Net) -> None:
+    net.request(b"a", fetch())
+    net.disconnected.add(b"a")
+    net.execute(net.scheduler.stage(staged(), net.now))
+    assert net.scheduler.transfers == {} and net.scheduler.parked == []
+    assert net.finished == []
+
+
+# ----------------------------------------------------------------------------- held frames
+
+
+@dataclass
+class FakeTracker:
+    done: bool = False
+
+
+A, B = (b"a", 1), (b"b", 1)
+STALL = 2.0
+
+
+def test_held_frames_release_waiters_when_pinned_frames_are_released() -> None:
+    held: HeldFrames[FakeTracker] = HeldFrames(STALL)
+    pinned = [FakeTracker() for _ in range(3)]
+    for tracker in pinned:
+        held.track(A, tracker, pinned=True, now=0.0)
+    held.track(A, FakeTracker(), pinned=False, now=0.0)  # a copy: no reason to wait
+    done = threading.Event()
+    held.wait(done, deadline=10.0)
+    assert held.poll(0.5) == set() and not done.is_set() and held.waiting
+    pinned[0].done = True
+    assert held.poll(0.6) == {A} and not done.is_set()
+    for tracker in pinned:
+        tracker.done = True
+    held.poll(0.7)
+    assert done.is_set() and not held.waiting and held.pinned == 0
+
+
+def test_held_frames_report_progress_per_transfer() -> None:
+    held: HeldFrames[FakeTracker] = HeldFrames(STALL)
+    a, b = FakeTracker(), FakeTracker()
+    held.track(A, a, pinned=False, now=0.0)
+    held.track(B, b, pinned=True, now=0.0)
+    b.done = True
+    assert held.poll(1.0) == {B}
+    a.done = True
+    assert held.poll(1.1) == {A}
+    assert held.poll(1.2) == set() and held.trackers() == []
+
+
+def test_frames_of_a_stuck_receiver_are_freed_once_nothing_runs() -> None:
+    held: HeldFrames[FakeTracker] = HeldFrames(STALL)
+    held.track(A, FakeTracker(), pinned=True, now=0.0)
+    assert not held.must_close(STALL, transfers_running=False)  # exactly the bound: not yet
+    assert not held.must_close(STALL + 0.1, transfers_running=True)  # others would lose data
+    assert held.must_close(STALL + 0.1, transfers_running=False)
+    held.socket_closed()
+    assert not held.must_close(STALL + 5, transfers_running=False)  # once: libzmq is freeing them
+
+
+def test_a_progressing_receiver_is_waited_for_a_stuck_one_is_not() -> None:
+    held: HeldFrames[FakeTracker] = HeldFrames(STALL)
+    stuck = FakeTracker()
+    held.track(A, stuck, pinned=True, now=0.0)
+    reading = [FakeTracker() for _ in range(10)]
+    for tracker in reading:
+        held.track(B, tracker, pinned=True, now=0.0)
+    done = threading.Event()
+    held.wait(done, deadline=100.0)
+    now = 0.0
+    for tracker in reading[:-1]:  # B takes one frame every second: slow, never stuck
+        now += 1.0
+        tracker.done = True
+        held.poll(now)
+        assert not held.must_close(now, transfers_running=False), now
+    reading[-1].done = True
+    held.poll(now + 1.0)
+    assert held.must_close(now + 1.0, transfers_running=False)  # only A is left, stuck for 10 s
+
+
+def test_held_frames_ask_for_one_forced_release_at_the_deadline() -> None:
+    held: HeldFrames[FakeTracker] = HeldFrames(stall=1000.0)
+    stuck = FakeTracker()
+    held.track(A, stuck, pinned=True, now=0.0)
+    done = threading.Event()
+    held.wait(done, deadline=10.0)
+    assert not held.must_close(9.99, transfers_running=False)
+    assert held.must_close(10.0, transfers_running=False)
+    assert not held.must_close(10.5, transfers_running=False)
+    stuck.done = True
+    held.poll(10.6)
+    assert done.is_set()
+
+
+# ----------------------------------------------------------------------------- liveness
+
+
+def test_released_frames_count_as_progress_against_the_stall_bound() -> None:
+    net = Net(Scheduler(TIMEOUT, stall=STALL))
+    net.execute(net.scheduler.stage(staged(messages=100), net.now))
+    net.request(b"a", fetch(credit=2))
+    net.pump()
+    for _ in range(5):  # no credit, but libzmq keeps releasing its frames: slow, not stalled
+        net.now += STALL * 0.9
+        net.scheduler.progress({(b"a", 1)}, net.now)
+        net.tick(0)
+    assert net.ops(b"a") == [("header", None)]
+    net.tick(STALL + 0.01)
+    assert net.ops(b"a") == [("header", None), ("error", wire.ERR_STALLED)]
+
+
+def test_stall_bound_is_separate_from_and_at_most_the_timeout() -> None:
+    assert Scheduler(TIMEOUT, stall=STALL).stall == STALL
+    assert Scheduler(TIMEOUT, stall=TIMEOUT * 2).stall == TIMEOUT
+    assert Scheduler(TIMEOUT).stall == TIMEOUT
+    net = Net(Scheduler(TIMEOUT, stall=STALL))
+    net.execute(net.scheduler.stage(staged(messages=100), net.now))
+    net.request(b"a", fetch(credit=1))
+    net.pump()
+    assert net.scheduler.wakeup_in(net.now + STALL - 0.5) == pytest.approx(0.5)  # the stall, not the timeout
+    net.tick(STALL + 0.01)
+    assert net.ops(b"a") == [("header", None), ("error", wire.ERR_STALLED)]
+
+
+def test_a_closed_connection_drops_its_transfers_but_keeps_parked_requests(net: Net) -> None:
+    net.request(b"a", fetch(xfer=1))  # parked: nothing staged yet
+    assert net.scheduler.disconnected(b"a") == []
+    assert [p.key for p in net.scheduler.parked] == [(b"a", 1)]  # its DEALER may reconnect
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.request(b"a", fetch(xfer=2))
+    net.request(b"b", fetch(xfer=2))
+    gone = net.scheduler.disconnected(b"a")
+    assert sorted(t.xfer for t in gone) == [1, 2]
+    assert set(net.scheduler.transfers) == {(b"b", 2)}
+    net.pump()
+    assert net.data(b"a") == [] and net.data(b"b") == [0, 1, 2, 3]

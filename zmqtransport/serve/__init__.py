@@ -1,0 +1,21 @@
+"""The sending side: a pure scheduler driven by one socket owner.
+
+::
+
+    other threads ──Stage/Disallow/Stop──> server.Server (serving thread: poller, wake pipe)
+                                             │ requests, time          ▲ actions
+                                             ▼                         │
+                                           scheduler.Scheduler (pure: transfers, credit,
+                                             parked requests, limits, stalls)
+    router.Router   the ROUTER socket (options, bind, rebind on the same port)
+    outbox.Outbox   carries out the scheduler's actions on the socket; SentLog of finished sends
+    pump.DataPump   data messages for the transfers the scheduler offers (device staging)
+    frames.HeldFrames  frames libzmq still holds, per transfer: progress, stuck receivers,
+                       when to close the socket, when a disallow may return
+    staged.Staged   what is served: the header and the memory of one step
+"""
+
+from .server import Server
+from .staged import Staged
+
+__all__ = ["Server", "Staged"]

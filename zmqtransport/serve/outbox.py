@@ -1,0 +1,102 @@
+"""Carrying out the scheduler's decisions on the ROUTER socket, and the record of finished sends.
+
+Used only by the serving thread, except :meth:`SentLog.since`, which any thread may call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from .. import wire
+from ..stats import TransferStats
+from .router import Router
+from .scheduler import Abort, Action, Finish, Key, Refuse, Scheduler, SendHeader, Transfer
+
+logger = logging.getLogger("zmqtransport.sender")
+
+SENT_HISTORY = 256  # finished sends remembered for sent_since()
+
+
+class SentLog:
+    """Finished sends (newest last, bounded) and how many there were in all.
+
+    Written by the serving thread, read by any: the lock keeps the pair consistent.
+    """
+
+    def __init__(self, history: int = SENT_HISTORY) -> None:
+        self._recent: deque[TransferStats] = deque(maxlen=history)
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def record(self, stats: TransferStats) -> None:
+        with self._lock:
+            self._recent.append(stats)
+            self._count += 1
+
+    def since(self, cursor: int) -> tuple[int, list[TransferStats]]:
+        with self._lock:
+            count, recent = self._count, list(self._recent)
+        fresh = max(0, count - max(cursor, 0))
+        return count, recent[len(recent) - min(fresh, len(recent)) :]
+
+
+class Outbox:
+    """Sends what the scheduler decided and tells it about messages that could not go out."""
+
+    def __init__(self, router: Router, scheduler: Scheduler, sent: SentLog) -> None:
+        self._router = router
+        self._scheduler = scheduler
+        self._sent = sent
+
+    def execute(self, actions: list[Action]) -> None:
+        """Carry out what the scheduler decided, telling it about messages that could not go out."""
+        undelivered: set[Key] = set()  # headers that did not go out: nothing follows them
+        for action in actions:
+            match action:
+                case SendHeader():
+                    if not self._router.send(action.peer, [wire.header_envelope(action.xfer), action.header_body]):
+                        undelivered.add(action.key)
+                        self._scheduler.undelivered(action, time.monotonic())
+                    elif action.header_only:
+                        self._router.send(action.peer, [wire.end_reply(action.xfer)])
+                case Refuse():
+                    reply = wire.error_reply(action.xfer, action.code, action.message)
+                    if not self._router.send(action.peer, [reply]):
+                        self._scheduler.undelivered(action, time.monotonic())
+                case Abort(transfer, code, message):
+                    step, address = transfer.staged.step, transfer.address
+                    logger.warning("aborting transfer of step %d to %s: %s", step, address, message)
+                    self._router.send(transfer.peer, [wire.error_reply(transfer.xfer, code, message)])
+                case Finish(transfer, seconds):
+                    if transfer.key not in undelivered:
+                        self._finish(transfer, seconds)
+
+    def _finish(self, transfer: Transfer, seconds: float) -> None:
+        self._router.send(transfer.peer, [wire.end_reply(transfer.xfer)])
+        self._sent.record(_served(transfer, seconds))
+
+
+def _served(transfer: Transfer, seconds: float) -> TransferStats:
+    """Log a finished transfer (one INFO line) and describe it."""
+    seconds = max(seconds, 1e-9)
+    staged = transfer.staged
+    nbytes = staged.total_bytes
+    logger.info(
+        "served step %d to %s: %d bytes in %.3f s (%.2f GB/s)",
+        staged.step,
+        transfer.address,
+        nbytes,
+        seconds,
+        nbytes / seconds / 1e9,
+    )
+    return TransferStats(
+        peer=transfer.address,
+        step=staged.step,
+        bytes=nbytes,
+        tensors=len(staged.tree.tensors),
+        messages=staged.messages,
+        seconds=seconds,
+    )

@@ -1,0 +1,87 @@
+"""The data path of the serving thread: data messages for the transfers the scheduler offers.
+
+Device memory goes out through the stager's pinned ring (:mod:`zmqtransport.device`):
+a message is sent once its copy to host memory is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from .. import wire
+from ..device import SendStager
+from .frames import HeldFrames
+from .router import Router
+from .scheduler import Action, Scheduler, Transfer
+
+logger = logging.getLogger("zmqtransport.sender")
+
+BATCH = 64  # data messages per call before the poller is checked again
+STAGING_WAIT = 0.002  # seconds to wait for a device copy when no transfer can send
+
+
+class DataPump:
+    """Sends while transfers have credit, one message per transfer per round."""
+
+    def __init__(
+        self, scheduler: Scheduler, router: Router, stager: SendStager, held: HeldFrames[zmq.MessageTracker]
+    ) -> None:
+        self._scheduler = scheduler
+        self._router = router
+        self._stager = stager
+        self._held = held
+
+    def run(self) -> list[Action]:
+        """Send up to :data:`BATCH` data messages; returns the actions of transfers that finished."""
+        actions: list[Action] = []
+        sent = 0
+        while sent < BATCH:
+            ready = self._scheduler.next_round()
+            if not ready:
+                break
+            waiting = 0
+            for transfer in ready:
+                if not self._chunk_ready(transfer):
+                    waiting += 1
+                    continue
+                actions += self._send_chunk(transfer)
+                sent += 1
+            if waiting == len(ready):
+                # Every transfer waits for a device copy or a free staging
+                # buffer: wait briefly for one rather than spin through the poller.
+                self._stager.wait(STAGING_WAIT)
+                break
+        return actions
+
+    def _chunk_ready(self, transfer: Transfer) -> bool:
+        """Whether the next message can go out; for device memory, issues copies ahead of it."""
+        plan = transfer.staged.device_plan
+        if plan is None:
+            return True
+        return self._stager.ready(transfer.key, plan, transfer.next_seq, transfer.credit)
+
+    def _send_chunk(self, transfer: Transfer) -> list[Action]:
+        staged, seq, key = transfer.staged, transfer.next_seq, transfer.key
+        staged_view = self._stager.take(key, seq) if staged.device_plan is not None else None
+        if staged_view is not None:
+            payload, references_tensor = staged_view, True  # a pinned staging buffer
+        else:
+            payload, references_tensor = staged.payload(seq)
+        envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload))
+        try:
+            # Every frame is tracked: its release tells that the receiver takes data.
+            tracker = self._router.send_data(transfer.peer, envelope, payload, track=True)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the peer is gone; EAGAIN: it ignored flow control.
+            logger.warning("dropping transfer to %s step %d: %s", transfer.address, staged.step, exc)
+            self._scheduler.drop(transfer)
+            return []
+        now = time.monotonic()
+        if tracker is not None:
+            self._held.track(key, tracker, pinned=references_tensor, now=now)
+        if staged_view is not None:
+            self._stager.sent(key, seq, tracker)  # the buffer is reused once libzmq lets go
+        return self._scheduler.sent(transfer, now)

@@ -1,0 +1,150 @@
+"""The server's ROUTER socket: its options, its port, and binding it again after a forced close.
+
+Used only by the serving thread (:mod:`zmqtransport.serve.server`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .. import sockets, wire
+
+logger = logging.getLogger("zmqtransport.sender")
+
+# Small data frames are copied by pyzmq anyway; keep libzmq's per-peer queue far
+# above what credit allows so a send never hits the high-water mark.
+_SNDHWM = 8 * wire.MAX_CREDIT
+READ_BATCH = 1000  # requests read per call, so a flood cannot starve the data pump
+REBIND_RETRY = 0.02  # seconds between attempts to bind the port again after closing it
+REBIND_DEADLINE = 10.0  # seconds: give up binding the port again after this long
+
+Configure = Callable[[zmq.Socket[Any]], None]  # applies security options to a new socket
+
+
+class Router:
+    """One ROUTER socket bound to a fixed port; :meth:`rebind` replaces it on the same port.
+
+    A socket monitor reports closed connections (a receiver killed, a connection
+    reset) by file descriptor; each request's source descriptor (``ZMQ_SRCFD``)
+    maps it to the routing ids that used that connection.
+    """
+
+    def __init__(self, context: zmq.Context[Any], bind_host: str, port: int, configure: Configure | None) -> None:
+        """Bind ``bind_host``:``port``; on failure nothing stays open (:class:`~zmqtransport.BindError`)."""
+        self._context = context
+        self._configure = configure
+        self.socket = self._make()
+        self.port = sockets.bind(self.socket, bind_host, port)  # closes the socket if it fails
+        self._endpoint = sockets.bind_endpoint(bind_host, self.port)
+        try:
+            self.monitor = self._monitor()
+        except BaseException:
+            self.socket.close(linger=0)
+            raise
+        self._peer_fds: dict[bytes, int] = {}  # routing id -> descriptor of its connection
+
+    def _make(self) -> zmq.Socket[Any]:
+        return sockets.new_socket(self._context, zmq.ROUTER, self._configure_router)
+
+    def _configure_router(self, router: zmq.Socket[Any]) -> None:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # raise instead of dropping frames
+        router.setsockopt(zmq.SNDHWM, _SNDHWM)
+        router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REQUEST_BYTES)
+        router.setsockopt(zmq.IPV6, 1)
+        if self._configure is not None:
+            self._configure(router)
+
+    def _monitor(self) -> zmq.Socket[Any]:
+        monitor: zmq.Socket[Any] = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        return monitor
+
+    def _close_monitor(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self._peer_fds.clear()
+
+    def read(self) -> Iterator[tuple[bytes, str, list[zmq.Frame]]]:
+        """Waiting requests as (routing id, peer address, frames after the routing id)."""
+        for _ in range(READ_BATCH):
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = frames[0].bytes
+            with contextlib.suppress(zmq.ZMQError):  # ZMQ_SRCFD is deprecated: without it, stalls still catch the dead
+                self._peer_fds[peer] = int(frames[-1].get(zmq.SRCFD))
+            yield peer, _peer_address(frames[-1]), frames[1:]
+
+    def disconnected(self) -> list[bytes]:
+        """Routing ids whose connection closed since the last call.
+
+        Read before any request (the serving thread does): libzmq reports a
+        closed connection before it closes the descriptor, so a request that
+        arrives on a new connection reusing that number is mapped afterwards.
+        """
+        peers: list[bytes] = []
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return peers
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            gone = [peer for peer, fd in self._peer_fds.items() if fd == event["value"]]
+            for peer in gone:
+                del self._peer_fds[peer]
+            peers += gone
+
+    def send(self, peer: bytes, frames: list[Any]) -> bool:
+        """Send a small message; False if the peer is not connected (or not reading)."""
+        try:
+            self.socket.send_multipart([peer, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("could not reply to peer: %s", exc)
+            return False
+        return True
+
+    def send_data(self, peer: bytes, envelope: bytes, payload: Any, track: bool) -> zmq.MessageTracker | None:
+        """Send one data message, the payload without a copy; raises ``zmq.ZMQError``."""
+        self.socket.send(peer, zmq.SNDMORE | zmq.NOBLOCK)
+        self.socket.send(envelope, zmq.SNDMORE | zmq.NOBLOCK)
+        tracker: zmq.MessageTracker | None = self.socket.send(payload, zmq.NOBLOCK, copy=False, track=track)
+        return tracker
+
+    def rebind(self) -> None:
+        """Drop every queued frame by closing the socket, then listen again on the same port."""
+        self._close_monitor()
+        self.socket.close(linger=0)
+        deadline = time.monotonic() + REBIND_DEADLINE
+        while True:
+            router = self._make()
+            try:
+                router.bind(self._endpoint)
+            except zmq.ZMQError:
+                router.close(linger=0)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(REBIND_RETRY)
+                continue
+            self.socket = router
+            self.monitor = self._monitor()
+            return
+
+    def close(self) -> None:
+        self._close_monitor()
+        self.socket.close(linger=0)
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError):
+        return "unknown peer"

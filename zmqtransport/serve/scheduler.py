@@ -1,0 +1,321 @@
+"""Which transfer sends what, and when to give up: the sending side without sockets.
+
+The :class:`Scheduler` is pure: no zmq, no threads, no clock of its own. The
+socket owner (:mod:`zmqtransport.serve.server`) feeds it events (a request, a
+staged step, a disallow, a delivered data message, the passing of time, each
+with an explicit ``now``) and carries out the actions it returns: error
+replies, headers, ends of transfers. Tests drive it with a fake clock.
+
+Flow control (docs/protocol.md, "Flow control"): a transfer may send while it
+has credit; :meth:`Scheduler.next_round` offers one data message per transfer
+per round, so concurrent receivers share the link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import wire
+from .staged import Staged
+
+Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one server holds at once (docs/protocol.md, error code ``busy``)."""
+
+    transfers_per_peer: int = 4
+    transfers: int = 64
+    parked: int = 256
+    # After a forced rebind, how long a parked request whose receiver has not
+    # reconnected yet is kept for another try (DEALERs reconnect every 100 ms).
+    rebind_grace: float = 5.0
+
+
+# Seconds the socket owner may sleep when nothing is due, and between retries of
+# requests re-parked after a rebind.
+IDLE_WAKEUP = 1.0
+REPARKED_RETRY = 0.02
+
+
+@dataclass
+class Transfer:
+    """One receiver's running fetch of the staged step."""
+
+    peer: bytes
+    xfer: int
+    staged: Staged
+    credit: int
+    address: str
+    started: float
+    last_progress: float  # when credit last arrived, libzmq last released a frame, or it started
+    next_seq: int = 0
+
+    @property
+    def key(self) -> Key:
+        return (self.peer, self.xfer)
+
+    @property
+    def done(self) -> bool:
+        return self.next_seq >= self.staged.messages
+
+    @property
+    def sendable(self) -> bool:
+        return self.credit > 0 and not self.done
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A fetch that arrived while nothing was staged; it waits until ``deadline``."""
+
+    peer: bytes
+    request: wire.Request
+    deadline: float
+    address: str
+
+    @property
+    def key(self) -> Key:
+        return (self.peer, self.request.xfer)
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Answer a request with an error reply; report a failed send with :meth:`Scheduler.undelivered`."""
+
+    peer: bytes
+    xfer: int
+    code: str
+    message: str
+    parked: Parked | None = None  # the parked request this answers, if any
+
+    @property
+    def key(self) -> Key:
+        return (self.peer, self.xfer)
+
+
+@dataclass(frozen=True)
+class Abort:
+    """End a running transfer with an error reply (the transfer is already forgotten)."""
+
+    transfer: Transfer
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class SendHeader:
+    """Send the header of the staged step; report a failed send with :meth:`Scheduler.undelivered`."""
+
+    peer: bytes
+    xfer: int
+    header_body: bytes
+    header_only: bool  # the receiver asked for the header alone: send ``end`` right after it
+    parked: Parked | None  # the parked request this starts, if any
+
+    @property
+    def key(self) -> Key:
+        return (self.peer, self.xfer)
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Every data message went out: send ``end`` and record the transfer."""
+
+    transfer: Transfer
+    seconds: float
+
+
+Action = Refuse | Abort | SendHeader | Finish
+
+
+class Scheduler:
+    """Transfers, parked requests, credit and stall deadlines of one server."""
+
+    def __init__(self, timeout: float, stall: float | None = None, limits: Limits | None = None) -> None:
+        # A transfer whose receiver grants no credit and takes no data for this
+        # long is stalled and dropped: the stall bound, at most the transfer timeout.
+        self.stall = timeout if stall is None else min(stall, timeout)
+        self.limits = limits if limits is not None else Limits()
+        self.staged: Staged | None = None
+        self.transfers: dict[Key, Transfer] = {}
+        self.parked: list[Parked] = []
+        self._rebound_at = float("-inf")
+
+    # ------------------------------------------------------------------ events
+
+    def stage(self, staged: Staged, now: float) -> list[Action]:
+        """Serve ``staged`` from now on; requests parked until now start (or are refused)."""
+        self.staged = staged
+        return self._retry_parked(now)
+
+    def disallow(self) -> list[Action]:
+        """Stop serving: nothing is staged, and every running transfer ends ``disallowed``."""
+        self.staged = None
+        aborts: list[Action] = []
+        for transfer in list(self.transfers.values()):
+            message = f"step {transfer.staged.step} is no longer served"
+            aborts.append(self._abort(transfer, wire.ERR_DISALLOWED, message))
+        return aborts
+
+    def on_request(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
+        key = (peer, request.xfer)
+        if request.op == wire.OP_CREDIT:
+            transfer = self.transfers.get(key)
+            if transfer is not None:
+                transfer.credit = min(wire.MAX_CREDIT, transfer.credit + request.credit)
+                transfer.last_progress = now
+            return []
+        if request.op == wire.OP_CANCEL:
+            self.transfers.pop(key, None)
+            self.parked = [p for p in self.parked if p.key != key]
+            return []
+        if key in self.transfers:
+            return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
+        if self.staged is None:
+            if len(self.parked) >= self.limits.parked:
+                return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")]
+            self.parked.append(Parked(peer, request, now + request.wait_ms / 1000, address))
+            return []
+        return self._start(peer, request, address, now, parked=None)
+
+    def undelivered(self, action: SendHeader | Refuse, now: float) -> None:
+        """A header or refusal could not be sent (the receiver is not connected).
+
+        The transfer is forgotten. A request parked before a forced rebind is
+        kept for another try while its receiver (whose DEALER keeps its routing
+        id) may still be reconnecting.
+        """
+        if isinstance(action, SendHeader):
+            self.transfers.pop(action.key, None)
+        if action.parked is not None and now - self._rebound_at < self.limits.rebind_grace:
+            self.parked.append(action.parked)
+
+    def progress(self, keys: set[Key], now: float) -> None:
+        """The receivers of these transfers took data (libzmq released frames queued for them)."""
+        for key in keys:
+            transfer = self.transfers.get(key)
+            if transfer is not None:
+                transfer.last_progress = now
+
+    def disconnected(self, peer: bytes) -> list[Transfer]:
+        """The connection of ``peer`` closed: its transfers cannot complete. Returns them, forgotten.
+
+        Its parked requests stay: a DEALER that reconnects keeps its routing id.
+        """
+        gone = [t for t in self.transfers.values() if t.peer == peer]
+        for transfer in gone:
+            del self.transfers[transfer.key]
+        return gone
+
+    def rebound(self, now: float) -> None:
+        """The socket was closed and bound again: every receiver is reconnecting."""
+        self._rebound_at = now
+
+    def next_round(self) -> list[Transfer]:
+        """Transfers that may send their next data message now, one message each."""
+        return [t for t in self.transfers.values() if t.sendable]
+
+    def sent(self, transfer: Transfer, now: float) -> list[Action]:
+        """Data message ``transfer.next_seq`` went out."""
+        transfer.next_seq += 1
+        transfer.credit -= 1
+        if not transfer.done:
+            return []
+        self.transfers.pop(transfer.key, None)
+        return [Finish(transfer, now - transfer.started)]
+
+    def drop(self, transfer: Transfer) -> None:
+        """A data message could not be sent: the receiver is gone or ignored flow control."""
+        self.transfers.pop(transfer.key, None)
+
+    def expire(self, now: float) -> list[Action]:
+        """Retry re-parked requests, refuse parked ones past their wait, drop stalled transfers."""
+        actions: list[Action] = []
+        if self.staged is not None and self.parked:
+            # Only requests re-parked by undelivered after a forced rebind wait
+            # while a step is staged: retry them now that their peer may be back.
+            actions += self._retry_parked(now)
+        expired = [p for p in self.parked if p.deadline <= now]
+        if expired:
+            self.parked = [p for p in self.parked if p.deadline > now]
+            for parked in expired:
+                message = f"no checkpoint was staged for step {parked.request.step} in time"
+                actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_STAGED, message))
+        for transfer in list(self.transfers.values()):
+            if transfer.credit == 0 and now - transfer.last_progress > self.stall:
+                message = f"receiver granted no credit and took no data for {self.stall:.1f} s"
+                actions.append(self._abort(transfer, wire.ERR_STALLED, message))
+        return actions
+
+    def shutdown(self) -> list[Action]:
+        """The server is stopping: every transfer and parked request ends ``shutdown``."""
+        actions: list[Action] = []
+        for transfer in list(self.transfers.values()):
+            actions.append(self._abort(transfer, wire.ERR_SHUTDOWN, "the serving transport is shutting down"))
+        for parked in self.parked:
+            actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_SHUTDOWN, "shutting down"))
+        self.parked = []
+        self.staged = None
+        return actions
+
+    def wakeup_in(self, now: float) -> float:
+        """Seconds until something is due (0: data can go out now)."""
+        if any(t.sendable for t in self.transfers.values()):
+            return 0.0
+        if self.staged is not None and self.parked:
+            return REPARKED_RETRY
+        deadlines = [p.deadline for p in self.parked]
+        deadlines += [t.last_progress + self.stall for t in self.transfers.values()]
+        if not deadlines:
+            return IDLE_WAKEUP
+        return max(0.0, min(IDLE_WAKEUP, min(deadlines) - now))
+
+    # ------------------------------------------------------------------ internals
+
+    def _retry_parked(self, now: float) -> list[Action]:
+        waiting, self.parked = self.parked, []
+        actions: list[Action] = []
+        for parked in waiting:
+            actions += self._start(parked.peer, parked.request, parked.address, now, parked=parked)
+        return actions
+
+    def _start(
+        self, peer: bytes, request: wire.Request, address: str, now: float, parked: Parked | None
+    ) -> list[Action]:
+        staged = self.staged
+        assert staged is not None
+        refusal = self._refusal(peer, request, staged, parked)
+        if refusal is not None:
+            return [refusal]
+        header = SendHeader(peer, request.xfer, staged.header_body, request.header_only, parked)
+        if request.header_only:
+            return [header]
+        transfer = Transfer(peer, request.xfer, staged, request.credit, address, started=now, last_progress=now)
+        self.transfers[transfer.key] = transfer
+        if transfer.done:  # nothing to send: only the header and the end
+            del self.transfers[transfer.key]
+            return [header, Finish(transfer, 0.0)]
+        return [header]
+
+    def _refusal(self, peer: bytes, request: wire.Request, staged: Staged, parked: Parked | None) -> Refuse | None:
+        code, message = self._refusal_reason(peer, request, staged)
+        return None if code is None else Refuse(peer, request.xfer, code, message, parked)
+
+    def _refusal_reason(self, peer: bytes, request: wire.Request, staged: Staged) -> tuple[str | None, str]:
+        if request.step != staged.step:
+            return wire.ERR_WRONG_STEP, f"requested step {request.step} but this peer serves step {staged.step}"
+        if staged.tree.has_pickle and not request.accept_pickle:
+            message = f"step {staged.step} holds pickled objects and the receiver does not accept pickle"
+            return wire.ERR_PICKLE, message
+        # Checked here, not when a request is parked: requests parked while
+        # nothing was staged all start at once when a step is staged.
+        if sum(1 for key in self.transfers if key[0] == peer) >= self.limits.transfers_per_peer:
+            return wire.ERR_BUSY, "too many transfers from this peer"
+        if len(self.transfers) >= self.limits.transfers:
+            return wire.ERR_BUSY, "too many concurrent transfers"
+        return None, ""
+
+    def _abort(self, transfer: Transfer, code: str, message: str) -> Abort:
+        self.transfers.pop(transfer.key, None)
+        return Abort(transfer, code, message)

@@ -1,0 +1,304 @@
+"""The sending side's socket owner: one ROUTER socket served by one thread.
+
+Threading: :class:`Server` owns its ROUTER socket; only the serving thread ever
+touches it. Other threads talk to it through :meth:`Server.stage`,
+:meth:`Server.disallow` and :meth:`Server.stop`, which put a command (a small
+dataclass) on a queue and wake the thread through a pipe that the poller watches.
+
+What to send and when to give up is decided by the pure
+:class:`~zmqtransport.serve.scheduler.Scheduler`; this module reads requests,
+feeds them to it with the time, and carries out the actions it returns.
+
+Zero copy: data frames that cover a single storage reference the tensor memory
+(``copy=False``); every data frame is tracked (:mod:`.frames`), and
+:meth:`disallow` returns only once libzmq has released every frame that
+references staged memory. A receiver that stops reading cannot hold that up
+past the stall bound (or, if it keeps taking data, the timeout): the socket is
+then closed with ``linger=0`` (which frees every queued frame) and bound again
+on the same port. A receiver whose connection closes is dropped as soon as the
+socket monitor reports it (:meth:`.router.Router.disconnected`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from .. import wire
+from ..device import DeviceStaging, SendStager
+from ..errors import ProtocolError
+from ..stats import TransferStats
+from .frames import HeldFrames
+from .outbox import Outbox, SentLog
+from .pump import DataPump
+from .router import Configure, Router
+from .scheduler import Refuse, Scheduler
+from .staged import Staged
+
+# The sending side logs under one name, as it did before it was split in modules.
+logger = logging.getLogger("zmqtransport.sender")
+
+# Seconds.
+DISALLOW_POLL = 0.005  # how often a waiting disallow checks the zero-copy frames
+DISALLOW_GRACE = 30.0  # beyond the timeout: the forced release and the rebind
+SHUTDOWN_FRAME_WAIT = 5.0  # at shutdown, the wait for libzmq to release frames
+
+
+@dataclass(frozen=True)
+class StageCommand:
+    staged: Staged
+
+
+@dataclass(frozen=True)
+class DisallowCommand:
+    done: threading.Event  # set once no staged memory is referenced any more
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    pass
+
+
+Command = StageCommand | DisallowCommand | StopCommand
+
+
+class WakePipe:
+    """A pipe the serving thread polls, so other threads can wake it."""
+
+    def __init__(self) -> None:
+        # Guards the pipe: the thread closes it on exit, and a write to a
+        # closed (and possibly reused) descriptor must never happen.
+        self._lock = threading.Lock()
+        self._closed = False
+        self.fd, self._write = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write, False)
+
+    def wake(self) -> None:
+        with self._lock:
+            if not self._closed:
+                with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
+                    os.write(self._write, b"x")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fd, 4096):
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            os.close(self.fd)
+            os.close(self._write)
+
+
+class Server:
+    """Serves staged checkpoints on one ROUTER socket from one thread."""
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        bind_host: str,
+        port: int,
+        timeout: float,
+        configure: Configure | None = None,
+        *,
+        staging: DeviceStaging | None = None,
+        stall: float | None = None,
+    ) -> None:
+        self._timeout = timeout
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._wake = WakePipe()
+        try:
+            self._router = Router(context, bind_host, port, configure)  # nothing open if it fails
+        except BaseException:
+            self._wake.close()
+            raise
+        try:
+            self._start(timeout, stall, staging)
+        except BaseException:
+            # Nothing half-built may outlive a failed construction: an open
+            # socket would make the owner's Context.term() wait forever.
+            self._router.close()
+            self._wake.close()
+            raise
+
+    def _start(self, timeout: float, stall: float | None, staging: DeviceStaging | None) -> None:
+        self.port = self._router.port
+        self._scheduler = Scheduler(timeout, stall)
+        self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall)
+        # Device memory goes out through the stager's pinned ring; the serving
+        # thread alone uses it, its side streams included (device/).
+        self._stager = SendStager(staging if staging is not None else DeviceStaging())
+        self._pump = DataPump(self._scheduler, self._router, self._stager, self._held)
+        self._sent = SentLog()
+        self._outbox = Outbox(self._router, self._scheduler, self._sent)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"zmqtransport-serve-{self.port}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ called from any thread
+
+    def stage(self, staged: Staged) -> None:
+        self._command(StageCommand(staged))
+
+    def disallow(self) -> None:
+        """Block until nothing staged is referenced by libzmq (at most ~timeout + a grace)."""
+        done = threading.Event()
+        self._command(DisallowCommand(done))
+        # The thread forces the release at the timeout; the grace covers the rebind.
+        deadline = time.monotonic() + self._timeout + DISALLOW_GRACE
+        while not done.wait(0.1):
+            if not self._thread.is_alive():
+                return  # it closed the socket and waited for its frames on the way out
+            if time.monotonic() > deadline:
+                raise TimeoutError("disallow_checkpoint timed out waiting for the serving thread")
+
+    def stop(self, wait: bool) -> None:
+        if self._thread.is_alive():
+            self._command(StopCommand())
+        if wait:
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def sent_since(self, cursor: int) -> tuple[int, list[TransferStats]]:
+        """Sends finished after the first ``cursor`` ones, and the cursor to pass next time."""
+        return self._sent.since(cursor)
+
+    def _command(self, command: Command) -> None:
+        self._commands.put(command)
+        self._wake.wake()
+
+    # ------------------------------------------------------------------ serving thread
+
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        poller.register(self._router.socket, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
+        poller.register(self._router.monitor, zmq.POLLIN)
+        return poller
+
+    def _run(self) -> None:
+        poller = self._poller()
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self._wake.fd in events:
+                    self._wake.drain()
+                    self._run_commands()
+                    if self._stopping:
+                        break
+                if self._router.monitor in events:
+                    self._drop_disconnected()
+                if self._router.socket in events:
+                    self._read_requests()
+                self._outbox.execute(self._pump.run())
+                if self._housekeeping():
+                    poller = self._poller()  # the socket was rebuilt
+        except Exception:
+            logger.exception("zmqtransport serving thread failed")
+        finally:
+            self._shutdown_in_thread()
+
+    def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
+        seconds = self._scheduler.wakeup_in(now)
+        held = self._held.wakeup_in(now)
+        if held is not None:
+            seconds = min(seconds, held)
+        if self._held.waiting:
+            seconds = min(seconds, DISALLOW_POLL)
+        return 0 if seconds <= 0 else max(1, int(seconds * 1000) + 1)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            match command:
+                case StageCommand(staged):
+                    self._outbox.execute(self._scheduler.stage(staged, time.monotonic()))
+                case DisallowCommand(done):
+                    self._on_disallow(done)
+                case StopCommand():
+                    self._stopping = True
+
+    def _on_disallow(self, done: threading.Event) -> None:
+        self._outbox.execute(self._scheduler.disallow())
+        # Device tensors must not be read once disallow returns: drop every lane
+        # and wait for the copies already issued (a few chunks at most).
+        self._stager.retain(())
+        self._stager.synchronize()
+        self._held.wait(done, time.monotonic() + self._timeout)
+
+    def _read_requests(self) -> None:
+        self._drop_disconnected()  # first: see Router.disconnected
+        for peer, address, frames in self._router.read():
+            if len(frames) != 1:
+                self._outbox.execute([Refuse(peer, 0, wire.ERR_BAD_REQUEST, "expected one envelope frame")])
+                continue
+            try:
+                request = wire.decode_request(frames[0].buffer)
+            except ProtocolError as exc:
+                logger.warning("bad request from %s: %s", address, exc)
+                self._outbox.execute([Refuse(peer, 0, exc.code, str(exc))])
+                continue
+            self._outbox.execute(self._scheduler.on_request(peer, request, address, time.monotonic()))
+
+    def _drop_disconnected(self) -> None:
+        for peer in self._router.disconnected():
+            for transfer in self._scheduler.disconnected(peer):
+                step, address = transfer.staged.step, transfer.address
+                logger.warning("dropping transfer of step %d to %s: its connection closed", step, address)
+
+    def _housekeeping(self) -> bool:
+        """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
+        now = time.monotonic()
+        self._scheduler.progress(self._held.poll(now), now)
+        self._outbox.execute(self._scheduler.expire(now))
+        self._stager.retain(self._scheduler.transfers)
+        if not self._held.must_close(now, transfers_running=bool(self._scheduler.transfers)):
+            return False
+        # Requests already read by libzmq but not yet by us would die with the
+        # socket: take them first (fetches with nothing staged are parked).
+        self._read_requests()
+        if self._scheduler.transfers:
+            return False  # one just started on this socket: close it once nothing runs
+        logger.warning(
+            "receivers that take no data hold %d zero-copy frames; closing the socket to release them",
+            self._held.pinned,
+        )
+        self._held.socket_closed()
+        self._router.rebind()
+        self._scheduler.rebound(time.monotonic())
+        return True
+
+    def _shutdown_in_thread(self) -> None:
+        self._outbox.execute(self._scheduler.shutdown())
+        self._router.close()
+        for tracker in self._held.trackers():
+            try:
+                tracker.wait(SHUTDOWN_FRAME_WAIT)
+            except zmq.NotDone:
+                break
+        try:
+            self._stager.close()  # no device copy may outlive the thread
+        except Exception:
+            logger.exception("zmqtransport: synchronising device copies at shutdown failed")
+        self._held.release_waiters()
+        self._wake.close()
+
+
+__all__ = ["Server", "Staged"]
