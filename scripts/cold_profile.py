@@ -72,10 +72,11 @@ def receiver(
         setattr(importlib.import_module(f"zmqtransport.{module}"), attr, value)
     state = None
     if mode == "inplace":
-        targets = {f"layer{i:06d}.weight": torch.full((n // 4,), -1.0, dtype=torch.float32) for i, n in enumerate(sizes)}
-        state = targets
+        state = {f"layer{i:06d}.weight": torch.full((n // 4,), -1.0) for i, n in enumerate(sizes)}
+    into = (lambda: state) if state else None
+    host = "127.0.0.1"
     transport: ZMQTransport[Any] = ZMQTransport(
-        TIMEOUT, bind_host="127.0.0.1", advertise_host="127.0.0.1", state_dict=(lambda: state) if state else None, **options
+        TIMEOUT, bind_host=host, advertise_host=host, state_dict=into, **options
     )
     recorder = None
     if perf:
