@@ -11,7 +11,8 @@ and, with ``--cprofile``, a cProfile of the receiving thread.
     PYTHONPATH=$PWD python scripts/cold_profile.py --mode fresh --perf /tmp/perf.data
 
 ``--perf`` records the receiver with ``perf record -g`` over its receive only.
-Extra ``ZMQTransport`` options: ``--option window=32`` (both sides).
+Extra ``ZMQTransport`` options: ``--option window=32`` (both sides). ``--ab-malloc``
+alternates trials without and with :func:`zmqtransport.buffers.settle_malloc_thresholds`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,15 @@ def _usage() -> tuple[float, float, int, int, int]:
 
 
 def receiver(
-    conn: Any, sizes: list[int], metadata: str, mode: str, profile: int, perf: str, options: dict, sets: list
+    conn: Any,
+    sizes: list[int],
+    metadata: str,
+    mode: str,
+    profile: int,
+    perf: str,
+    options: dict,
+    sets: list,
+    settle: bool = True,
 ) -> None:
     import importlib
 
@@ -67,6 +76,10 @@ def receiver(
 
     from zmqtransport import ZMQTransport
 
+    if not settle:  # the receive as before issue 16: glibc's thresholds left at their start values
+        from zmqtransport import buffers
+
+        buffers.settle_malloc_thresholds = lambda: False  # type: ignore[assignment]
     for name, value in sets:  # experiments: module constants set in the receiver only
         module, _, attr = name.rpartition(".")
         setattr(importlib.import_module(f"zmqtransport.{module}"), attr, value)
@@ -117,6 +130,7 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument("--option", action="append", default=[])
     parser.add_argument("--set", action="append", default=[], help="module.CONSTANT=int in the receiver")
+    parser.add_argument("--ab-malloc", action="store_true", help="alternate trials without and with the malloc settle")
     args = parser.parse_args()
     options = _options(args.option)
     sets = list(_options(args.set).items())
@@ -131,13 +145,16 @@ def main() -> None:
             last = trial == args.trials - 1
             here, there = ctx.Pipe()
             profile = args.cprofile if last else 0
+            settle = not (args.ab_malloc and trial % 2 == 0)
             perf = args.perf if last else ""
-            proc = ctx.Process(target=receiver, args=(there, sizes, metadata, args.mode, profile, perf, options, sets))
+            arguments = (there, sizes, metadata, args.mode, profile, perf, options, sets, settle)
+            proc = ctx.Process(target=receiver, args=arguments)
             proc.start()
             seconds, (user, system, faults, vol, invol), text = here.recv()
             proc.join()
             print(
-                f"{args.mode} trial {trial}: {seconds:.3f} s, cpu user {user:.3f} sys {system:.3f}, "
+                f"{args.mode}{'' if settle else ' unsettled'} trial {trial}: {seconds:.3f} s, "
+                f"cpu user {user:.3f} sys {system:.3f}, "
                 f"minor faults {faults}, ctx switches {vol}+{invol}",
                 flush=True,
             )
