@@ -50,7 +50,8 @@ def sender(conn: Any, sizes: list[int], options: dict[str, Any]) -> None:
     transport: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host="127.0.0.1", advertise_host="127.0.0.1", **options)
     transport.send_checkpoint([1], 1, state, TIMEOUT)
     conn.send(transport.metadata())
-    conn.recv()  # until the parent is done
+    while conn.recv() == "usage":  # until the parent is done
+        conn.send(_usage())
     transport.shutdown()
 
 
@@ -93,7 +94,8 @@ def receiver(
     )
     recorder = None
     if perf:
-        recorder = subprocess.Popen(["perf", "record", "-g", "-q", "-o", perf, "-p", str(os.getpid())])
+        command = ["perf", "record", "-e", "cpu-clock", "-g", "-q", "-o", perf, "-p", str(os.getpid())]
+        recorder = subprocess.Popen(command)
         time.sleep(1.0)  # perf attaches
     profiler = cProfile.Profile() if profile else None
     before = _usage()
@@ -119,47 +121,73 @@ def receiver(
     transport.shutdown()
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["fresh", "inplace"], default="fresh")
     parser.add_argument("--count", type=int, default=256)
     parser.add_argument("--tensor", type=int, default=4 << 20)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--cprofile", type=int, default=0, help="print the top N functions of the last trial")
-    parser.add_argument("--perf", default="", help="perf.data path (last trial)")
+    parser.add_argument("--perf", default="", help="perf.data path: the receiver over the last trial's receive")
+    parser.add_argument("--perf-sender", default="", help="perf.data path: the sender over the last trial")
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument("--option", action="append", default=[])
     parser.add_argument("--set", action="append", default=[], help="module.CONSTANT=int in the receiver")
     parser.add_argument("--ab-malloc", action="store_true", help="alternate trials without and with the malloc settle")
-    args = parser.parse_args()
-    options = _options(args.option)
-    sets = list(_options(args.set).items())
-    sizes = [args.tensor] * args.count
+    return parser
+
+
+def _trial(args: argparse.Namespace, trial: int, ctx: Any, parent: Any, source: Any, metadata: str) -> None:
+    last = trial == args.trials - 1
+    here, there = ctx.Pipe()
+    settle = not (args.ab_malloc and trial % 2 == 0)
+    arguments = (
+        there,
+        [args.tensor] * args.count,
+        metadata,
+        args.mode,
+        args.cprofile if last else 0,
+        args.perf if last else "",
+        _options(args.option),
+        list(_options(args.set).items()),
+        settle,
+    )
+    proc = ctx.Process(target=receiver, args=arguments)
+    parent.send("usage")
+    sender_before = parent.recv()
+    recorder = None
+    if last and args.perf_sender:
+        command = ["perf", "record", "-e", "cpu-clock", "-g", "-q", "-o", args.perf_sender, "-p", str(source.pid)]
+        recorder = subprocess.Popen(command)
+    proc.start()
+    seconds, (user, system, faults, vol, invol), text = here.recv()
+    proc.join()
+    if recorder is not None:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait()
+    parent.send("usage")
+    sender_after = parent.recv()
+    sender_cpu = sum(sender_after[:2]) - sum(sender_before[:2])
+    print(
+        f"{args.mode}{'' if settle else ' unsettled'} trial {trial}: {seconds:.3f} s, "
+        f"cpu user {user:.3f} sys {system:.3f}, minor faults {faults}, ctx switches {vol}+{invol}; "
+        f"sender cpu {sender_cpu:.3f} (its receiver's set-up included)",
+        flush=True,
+    )
+    if text:
+        print(text)
+
+
+def main() -> None:
+    args = _parser().parse_args()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    source = ctx.Process(target=sender, args=(child, sizes, options))
+    source = ctx.Process(target=sender, args=(child, [args.tensor] * args.count, _options(args.option)))
     source.start()
     metadata = parent.recv()
     try:
         for trial in range(args.trials):
-            last = trial == args.trials - 1
-            here, there = ctx.Pipe()
-            profile = args.cprofile if last else 0
-            settle = not (args.ab_malloc and trial % 2 == 0)
-            perf = args.perf if last else ""
-            arguments = (there, sizes, metadata, args.mode, profile, perf, options, sets, settle)
-            proc = ctx.Process(target=receiver, args=arguments)
-            proc.start()
-            seconds, (user, system, faults, vol, invol), text = here.recv()
-            proc.join()
-            print(
-                f"{args.mode}{'' if settle else ' unsettled'} trial {trial}: {seconds:.3f} s, "
-                f"cpu user {user:.3f} sys {system:.3f}, "
-                f"minor faults {faults}, ctx switches {vol}+{invol}",
-                flush=True,
-            )
-            if text:
-                print(text)
+            _trial(args, trial, ctx, parent, source, metadata)
             time.sleep(args.settle)
     finally:
         parent.send("done")
