@@ -52,7 +52,9 @@ HEARTBEAT_IVL = 1.0
 # freezes mid-transfer is reported as stalled (the more precise error).
 HEARTBEAT_MARGIN = 1.0
 
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# CONNECT_RETRIED (an attempt failed, another is scheduled) is read only when
+# choosing among several paths (zmqtransport.paths); ConnectionState ignores it.
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 # Monitor endpoints are named by a counter, not by the socket's descriptor
 # (pyzmq's default): a descriptor is reused as soon as a socket is gone, while
 # libzmq may not have released the old inproc name yet.
@@ -115,7 +117,7 @@ class SourceWatch:
         grace = SETTLE_AFTER_LOSS if in_transfer else RECONNECT_GRACE
         while True:
             now = time.monotonic()
-            self._read_events(now)
+            self.read_events(now)
             lost_at = self.state.lost_at
             lost_deadline = math.inf if lost_at is None else lost_at + grace
             if now >= lost_deadline:
@@ -129,14 +131,22 @@ class SourceWatch:
             if self._socket in ready:
                 return Wait.READY
 
-    def _read_events(self, now: float) -> None:
-        """Apply every event the monitor has queued."""
+    @property
+    def monitor(self) -> zmq.Socket[Any]:
+        """The monitor socket, for a poller that waits on several DEALERs at once."""
+        return self._monitor
+
+    def read_events(self, now: float) -> list[int]:
+        """Apply every event the monitor has queued; return them."""
+        events: list[int] = []
         while True:
             try:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            self.state.on_event(int(parse_monitor_message(frames)["event"]), now)
+                return events
+            event = int(parse_monitor_message(frames)["event"])
+            self.state.on_event(event, now)
+            events.append(event)
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
