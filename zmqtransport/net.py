@@ -189,9 +189,7 @@ def choose_advertise_host(bind_host: str, override: str | None = None) -> str:
     return address or _first_non_loopback_ipv4() or _hostname_address() or "127.0.0.1"
 
 
-def advertised_paths(
-    bound: Sequence[tuple[str, int]], override: str | Sequence[str] | None = None
-) -> tuple[Path, ...]:
+def advertised_paths(bound: Sequence[tuple[str, int]], override: str | Sequence[str] | None = None) -> tuple[Path, ...]:
     """The paths to advertise for a socket bound at ``bound`` (``(bind host, port)`` each, in order).
 
     The advertised hosts are, in order of precedence: ``override`` (a list or
