@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -353,6 +354,28 @@ def test_the_preferred_path_is_used_when_every_path_connects(make_transport: Cal
         assert sink.last_recv_stats.peer == f"tcp://{LOOPBACK_2}:{source.address.port}"
     # One transfer served per receive: the other DEALERs were closed without a request.
     assert len(source.sent_since(0)[1]) == 3
+
+
+def test_a_source_that_listens_late_is_reached_over_its_preferred_path(
+    make_transport: Callable[..., ZMQTransport[Any]],
+) -> None:
+    """Every path refused at first (the source is not up yet): the early refusals do not rule a path out."""
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        port = probe.getsockname()[1]
+    metadata = PeerAddress(LOOPBACK_2, port, {}, (Path(LOOPBACK, port),)).to_metadata()
+    sink = make_transport(bind_host=LOOPBACK)
+    outcome: dict[str, Any] = {}
+    receiving = threading.Thread(target=lambda: outcome.update(got=sink.recv_checkpoint(0, metadata, 3, TIMEOUT)))
+    receiving.start()
+    time.sleep(0.5)  # both paths refused a few times by now
+    source = make_transport(bind_host=[LOOPBACK, LOOPBACK_2], port=port)
+    sent = state()
+    source.send_checkpoint([1], 3, sent, TIMEOUT)
+    receiving.join(TIMEOUT.total_seconds() + 5)
+    assert not receiving.is_alive()
+    assert_same(outcome["got"], sent)
+    assert sink.last_recv_stats is not None and sink.last_recv_stats.peer == f"tcp://{LOOPBACK_2}:{port}"
 
 
 def test_every_path_unreachable_times_out_naming_them(make_transport: Callable[..., ZMQTransport[Any]]) -> None:

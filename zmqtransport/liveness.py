@@ -52,9 +52,10 @@ HEARTBEAT_IVL = 1.0
 # freezes mid-transfer is reported as stalled (the more precise error).
 HEARTBEAT_MARGIN = 1.0
 
-# CONNECT_RETRIED (an attempt failed, another is scheduled) is read only when
-# choosing among several paths (zmqtransport.paths); ConnectionState ignores it.
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# A failed connection attempt (another is scheduled): watched only when choosing
+# among several paths (zmqtransport.paths); ConnectionState ignores it.
+REFUSAL_EVENTS = zmq.EVENT_CONNECT_RETRIED
 # Monitor endpoints are named by a counter, not by the socket's descriptor
 # (pyzmq's default): a descriptor is reused as soon as a socket is gone, while
 # libzmq may not have released the old inproc name yet.
@@ -96,11 +97,11 @@ class SourceWatch:
     is closed. Created before the DEALER connects, so it sees the handshake.
     """
 
-    def __init__(self, socket: zmq.Socket[Any], stall_timeout: float | None) -> None:
+    def __init__(self, socket: zmq.Socket[Any], stall_timeout: float | None, extra_events: int = 0) -> None:
         self._socket = socket
         self.stall_timeout = stall_timeout
         address = f"inproc://zmqtransport-monitor-{next(_monitor_ids)}"
-        self._monitor: zmq.Socket[Any] = socket.get_monitor_socket(_EVENTS, address)
+        self._monitor: zmq.Socket[Any] = socket.get_monitor_socket(_EVENTS | extra_events, address)
         self.state = ConnectionState()
         self._poller = zmq.Poller()
         self._poller.register(socket, zmq.POLLIN)

@@ -115,11 +115,16 @@ def open_candidate(
     path: Path,
     configure: Callable[[zmq.Socket[Any]], None],
     stall_timeout: float | None,
+    racing: bool = True,
 ) -> Candidate:
-    """A DEALER set up by ``configure`` and watched, not yet connected; nothing stays open if that fails."""
+    """A DEALER set up by ``configure`` and watched, not yet connected; nothing stays open if that fails.
+
+    ``racing``: it will take part in :func:`connect_first`, so its watch also
+    reports failed connection attempts (a lone DEALER does without them).
+    """
     socket = sockets.new_socket(context, zmq.DEALER, configure)
     try:
-        watch = liveness.SourceWatch(socket, stall_timeout)
+        watch = liveness.SourceWatch(socket, stall_timeout, liveness.REFUSAL_EVENTS if racing else 0)
     except BaseException:
         socket.close(linger=0)
         raise

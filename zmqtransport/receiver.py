@@ -202,7 +202,8 @@ class _Receiver:
         # Closed again if configuring it fails (a bad key, say): a socket left
         # open would make the transport's shutdown wait forever in Context.term().
         # The watch is set up before connecting, so it sees the handshake.
-        first = paths.open_candidate(context, address.paths[0], self._configure, options.stall_timeout)
+        racing = bool(address.more_paths)
+        first = paths.open_candidate(context, address.paths[0], self._configure, options.stall_timeout, racing)
         self.socket, self.source = first.socket, first.watch
 
     def _configure(self, sock: zmq.Socket[Any]) -> None:
