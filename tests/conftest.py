@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import os
 import threading
 import time
@@ -96,3 +97,13 @@ def assert_same(got: Any, want: Any, path: str = "state") -> None:
 def bytes_of(tensor: torch.Tensor) -> bytes:
     flat = tensor.detach().resolve_conj().contiguous().reshape(-1)
     return bytes(flat.view(torch.uint8).tolist()) if flat.numel() else b""
+
+
+@pytest.fixture
+def spawn() -> Iterator[mp.context.SpawnContext]:
+    """A spawn context for tests with real processes; children still alive at the end are killed."""
+    context = mp.get_context("spawn")
+    yield context
+    for child in mp.active_children():
+        child.kill()
+        child.join(10)

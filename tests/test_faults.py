@@ -16,7 +16,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -59,14 +58,6 @@ def _fds() -> int:
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
-
-@pytest.fixture
-def spawn() -> Iterator[mp.context.SpawnContext]:
-    context = mp.get_context("spawn")
-    yield context
-    for child in mp.active_children():
-        child.kill()
-        child.join(10)
 
 
 # ----------------------------------------------------------------------------- child processes

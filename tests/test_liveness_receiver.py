@@ -17,7 +17,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -37,14 +36,6 @@ def big_state(seed: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     return {"weight": torch.randn(16 * 2**20, generator=generator), "step": seed}  # 64 MiB
 
-
-@pytest.fixture
-def spawn() -> Iterator[mp.context.SpawnContext]:
-    context = mp.get_context("spawn")
-    yield context
-    for child in mp.active_children():
-        child.kill()
-        child.join(10)
 
 
 def _serve(seed: int, stage: bool, out: Any) -> None:

@@ -14,7 +14,6 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -47,11 +46,6 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
         else:
             assert got[key] == value, key
-
-
-@pytest.fixture
-def spawn() -> Iterator[mp.context.SpawnContext]:
-    yield mp.get_context("spawn")
 
 
 def _receive_then_freeze(metadata: str, step: int) -> None:

@@ -24,12 +24,12 @@ import torch
 import zmq
 
 from . import security, sockets, wire
-from .codec.skeleton import encode_tree
 from .contract import CheckpointTransport, register_with_torchft
-from .device import DeviceStaging, fresh_device, prepare_send
+from .device import DeviceStaging, fresh_device
 from .net import PeerAddress, advertised_paths, parse_metadata, split_hosts
 from .receiver import FetchOptions, ProgressCallback, fetch, fetch_header, paused_gc
-from .serve import Server, Staged
+from .serve import Server
+from .serve.staged import stage
 from .stats import TransferStats
 
 T = TypeVar("T")
@@ -256,31 +256,16 @@ class ZMQTransport(CheckpointTransport[T]):
         path of any leaf that cannot be sent.
         """
         self._check_open()
-        if type(step) is not int or not 0 <= step <= wire.MAX_STEP:
-            raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
         with paused_gc():  # see receiver.paused_gc: many tensors, no cycles
-            encoded = encode_tree(state_dict, self._allow_pickle)
-        if len(encoded.tensors) > wire.MAX_TENSORS:
-            # Receivers refuse such a header (wire.decode_header); say so here, once.
-            raise ValueError(
-                f"the state holds {len(encoded.tensors)} tensors; "
-                f"receivers accept at most {wire.MAX_TENSORS}"
+            staged = stage(
+                state_dict,
+                step,
+                allow_pickle=self._allow_pickle,
+                chunk_bytes=self._chunk_bytes,
+                pack_below=self._pack_below,
+                checksum=self._checksum,
+                staging=self._staging,
             )
-        storages = [ref.nbytes for ref in encoded.storages]
-        header = wire.Header(
-            step=step,
-            skeleton=encoded.skeleton,
-            tensors=encoded.tensors,
-            storages=storages,
-            chunk_bytes=self._chunk_bytes,
-            pack_below=self._pack_below,
-            checksum=self._checksum,
-        )
-        plan = wire.plan_chunks(storages, self._chunk_bytes, self._pack_below)
-        # CUDA storages are not copied here: the serving thread stages them
-        # through pinned buffers; this only notes where the caller's stream is.
-        device_plan = prepare_send(encoded, plan, self._staging)
-        staged = Staged(step, header.body(), encoded, plan, self._checksum, [None] * len(plan), device_plan=device_plan)
         self._server.stage(staged)
 
     def disallow_checkpoint(self) -> None:

@@ -12,10 +12,51 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
+from ..codec.skeleton import encode_tree
+from ..device import prepare_send
 
 if TYPE_CHECKING:
     from ..codec.tensors import EncodedTree
-    from ..device import SendPlan
+    from ..device import DeviceStaging, SendPlan
+
+
+def stage(
+    state: Any,
+    step: int,
+    *,
+    allow_pickle: bool,
+    chunk_bytes: int,
+    pack_below: int,
+    checksum: str | None,
+    staging: DeviceStaging,
+) -> Staged:
+    """Encode ``state`` as ``step``: the header, the chunk plan and the memory to send.
+
+    Pure preparation in the caller's thread (no socket, no copy of host tensors):
+    raises ``TypeError`` naming the key path of a leaf that cannot be sent, and
+    ``ValueError`` for a state receivers would refuse.
+    """
+    if type(step) is not int or not 0 <= step <= wire.MAX_STEP:
+        raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
+    encoded = encode_tree(state, allow_pickle)
+    if len(encoded.tensors) > wire.MAX_TENSORS:
+        # Receivers refuse such a header (wire.decode_header); say so here, once.
+        raise ValueError(f"the state holds {len(encoded.tensors)} tensors; receivers accept at most {wire.MAX_TENSORS}")
+    storages = [ref.nbytes for ref in encoded.storages]
+    header = wire.Header(
+        step=step,
+        skeleton=encoded.skeleton,
+        tensors=encoded.tensors,
+        storages=storages,
+        chunk_bytes=chunk_bytes,
+        pack_below=pack_below,
+        checksum=checksum,
+    )
+    plan = wire.plan_chunks(storages, chunk_bytes, pack_below)
+    # CUDA storages are not copied here: the serving thread stages them
+    # through pinned buffers; this only notes where the caller's stream is.
+    device_plan = prepare_send(encoded, plan, staging)
+    return Staged(step, header.body(), encoded, plan, checksum, [None] * len(plan), device_plan=device_plan)
 
 
 @dataclass
