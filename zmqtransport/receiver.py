@@ -280,7 +280,7 @@ class _Receiver:
     # ----------------------------------------------------------------- phases
 
     def _connect(self) -> None:
-        """Connect to the only path, or to the first of several that connects (:mod:`zmqtransport.paths`)."""
+        """Connect to the only path, or to the most preferred of several that connects (:mod:`zmqtransport.paths`)."""
         if not self.address.more_paths:
             self.socket.connect(self.endpoint)
             return
