@@ -165,21 +165,7 @@ class ZMQTransport(CheckpointTransport[T]):
         curve_server_keypair: security.KeyPair | tuple[bytes, bytes] | None = None,
     ) -> None:
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
-        if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes={chunk_bytes}: must be in [{wire.MIN_CHUNK_BYTES}, {wire.MAX_CHUNK_BYTES}]")
-        if not 0 <= pack_below <= chunk_bytes:
-            raise ValueError(f"pack_below={pack_below}: must be in [0, chunk_bytes={chunk_bytes}]")
-        if not 1 <= window <= wire.MAX_CREDIT:
-            raise ValueError(f"window={window}: must be in [1, {wire.MAX_CREDIT}]")
-        if not timeout > timedelta(0):
-            raise ValueError(f"timeout={timeout}: must be positive")
-        stall_seconds = _seconds_or_none(stall_timeout)
-        if stall_seconds is not None and not stall_seconds > 0:
-            raise ValueError(f"stall_timeout={stall_timeout!r}: must be positive or None")
-        if type(io_threads) is not int or io_threads < 1:
-            # libzmq accepts 0 and then fails every TCP bind with "No thread available".
-            raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
-        sockets.check_port(port)
+        stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
         bind_hosts = split_hosts(bind_host, "bind_host")
         if advertise_host:
             split_hosts(advertise_host, "advertise_host")  # checked now; used once the ports are known
@@ -378,6 +364,34 @@ class ZMQTransport(CheckpointTransport[T]):
 
     def __repr__(self) -> str:
         return f"ZMQTransport({self.metadata()!r})"
+
+
+def _check_options(
+    timeout: timedelta,
+    stall_timeout: timedelta | float | None,
+    chunk_bytes: int,
+    pack_below: int,
+    window: int,
+    io_threads: int,
+    port: int,
+) -> float | None:
+    """Refuse a bad option value with a ``ValueError`` naming it; the stall bound in seconds."""
+    if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be in [{wire.MIN_CHUNK_BYTES}, {wire.MAX_CHUNK_BYTES}]")
+    if not 0 <= pack_below <= chunk_bytes:
+        raise ValueError(f"pack_below={pack_below}: must be in [0, chunk_bytes={chunk_bytes}]")
+    if not 1 <= window <= wire.MAX_CREDIT:
+        raise ValueError(f"window={window}: must be in [1, {wire.MAX_CREDIT}]")
+    if not timeout > timedelta(0):
+        raise ValueError(f"timeout={timeout}: must be positive")
+    stall_seconds = _seconds_or_none(stall_timeout)
+    if stall_seconds is not None and not stall_seconds > 0:
+        raise ValueError(f"stall_timeout={stall_timeout!r}: must be positive or None")
+    if type(io_threads) is not int or io_threads < 1:
+        # libzmq accepts 0 and then fails every TCP bind with "No thread available".
+        raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
+    sockets.check_port(port)
+    return stall_seconds
 
 
 def _seconds_or_none(value: timedelta | float | None) -> float | None:
