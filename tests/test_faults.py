@@ -370,6 +370,12 @@ def test_hundred_cycles_leak_nothing() -> None:
         for step in range(10, 110):
             cycle(step)
         assert _threads() <= threads, "threads leaked"
+        # libzmq's reaper thread closes a closed socket's descriptors (its mailbox,
+        # a receive's monitor pair) asynchronously: give it a bounded moment on a
+        # loaded machine; a real leak stays above the bound.
+        deadline = time.monotonic() + 3
+        while _fds() > fds + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _fds() <= fds + 2, f"file descriptors grew from {fds} to {_fds()}"
         grown = _rss() - rss
         assert grown < 32 * 2**20, f"RSS grew by {grown >> 20} MiB over 100 cycles"

@@ -534,9 +534,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("file", metavar="FILE", help="a checkpoint written by torch.save (or zmqtransport fetch)")
     serve.add_argument("--step", type=_positive_int, required=True, help="the step to serve it as")
-    serve.add_argument("--bind", default="*", metavar="HOST", help="interface to listen on (default: all)")
+    serve.add_argument(
+        "--bind", default="*", metavar="HOST", help="interface to listen on, or several, comma-separated (default: all)"
+    )
     serve.add_argument("--port", type=_positive_int, default=0, help="TCP port (default: any free one)")
-    serve.add_argument("--advertise-host", metavar="HOST", help="host to put in the metadata string")
+    serve.add_argument(
+        "--advertise-host", metavar="HOST", help="host to put in the metadata string, or several, comma-separated"
+    )
     serve.add_argument("--checksum", action="store_true", help="attach a CRC32 to every data frame")
     serve.add_argument("--metadata-file", metavar="PATH", help="also write the metadata string to PATH")
     timeout_option(serve)

@@ -53,6 +53,9 @@ HEARTBEAT_IVL = 1.0
 HEARTBEAT_MARGIN = 1.0
 
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# A failed connection attempt (another is scheduled): watched only when choosing
+# among several paths (zmqtransport.paths); ConnectionState ignores it.
+REFUSAL_EVENTS = zmq.EVENT_CONNECT_RETRIED
 # Monitor endpoints are named by a counter, not by the socket's descriptor
 # (pyzmq's default): a descriptor is reused as soon as a socket is gone, while
 # libzmq may not have released the old inproc name yet.
@@ -94,11 +97,11 @@ class SourceWatch:
     is closed. Created before the DEALER connects, so it sees the handshake.
     """
 
-    def __init__(self, socket: zmq.Socket[Any], stall_timeout: float | None) -> None:
+    def __init__(self, socket: zmq.Socket[Any], stall_timeout: float | None, extra_events: int = 0) -> None:
         self._socket = socket
         self.stall_timeout = stall_timeout
         address = f"inproc://zmqtransport-monitor-{next(_monitor_ids)}"
-        self._monitor: zmq.Socket[Any] = socket.get_monitor_socket(_EVENTS, address)
+        self._monitor: zmq.Socket[Any] = socket.get_monitor_socket(_EVENTS | extra_events, address)
         self.state = ConnectionState()
         self._poller = zmq.Poller()
         self._poller.register(socket, zmq.POLLIN)
@@ -115,7 +118,7 @@ class SourceWatch:
         grace = SETTLE_AFTER_LOSS if in_transfer else RECONNECT_GRACE
         while True:
             now = time.monotonic()
-            self._read_events(now)
+            self.read_events(now)
             lost_at = self.state.lost_at
             lost_deadline = math.inf if lost_at is None else lost_at + grace
             if now >= lost_deadline:
@@ -129,14 +132,22 @@ class SourceWatch:
             if self._socket in ready:
                 return Wait.READY
 
-    def _read_events(self, now: float) -> None:
-        """Apply every event the monitor has queued."""
+    @property
+    def monitor(self) -> zmq.Socket[Any]:
+        """The monitor socket, for a poller that waits on several DEALERs at once."""
+        return self._monitor
+
+    def read_events(self, now: float) -> list[int]:
+        """Apply every event the monitor has queued; return them."""
+        events: list[int] = []
         while True:
             try:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            self.state.on_event(int(parse_monitor_message(frames)["event"]), now)
+                return events
+            event = int(parse_monitor_message(frames)["event"])
+            self.state.on_event(event, now)
+            events.append(event)
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):

@@ -2,7 +2,9 @@
 
 The metadata string is ``tcp://HOST:PORT`` (IPv6 hosts in brackets), optionally
 followed by ``?key=value&...`` parameters (``curve=<server public key>`` when
-CurveZMQ is on). See docs/protocol.md.
+CurveZMQ is on, ``paths=HOST:PORT,...`` when the source listens on more
+addresses than the first). Parameters a parser does not know are kept and
+ignored. See docs/protocol.md, "Metadata string".
 """
 
 from __future__ import annotations
@@ -12,28 +14,70 @@ import ipaddress
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote_plus
 
 ADVERTISE_ENV = "ZMQTRANSPORT_ADVERTISE_HOST"
+PATHS_KEY = "paths"  # the metadata parameter listing the paths after the first
+# Characters left readable in the paths parameter; a curve key stays fully
+# quoted, exactly as before (its z85 alphabet holds '+', '&' and '=').
+_PATHS_SAFE = ":,[]"
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")  # noqa: S104 - recognising a wildcard, not binding one
 _SIOCGIFADDR = 0x8915
 
 
 @dataclass(frozen=True)
-class PeerAddress:
+class Path:
+    """One address a source listens on: a host (IPv6 without brackets) and a port."""
+
     host: str
     port: int
-    params: dict[str, str] = field(default_factory=dict)
 
     @property
     def endpoint(self) -> str:
-        """The ZeroMQ endpoint to connect to."""
         return f"tcp://{format_host(self.host)}:{self.port}"
 
+    @property
+    def hostport(self) -> str:
+        return f"{format_host(self.host)}:{self.port}"
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where a source listens: its first (preferred) path ``host``:``port``, then ``more_paths``.
+
+    ``params`` holds the metadata parameters other than the paths (``curve``,
+    and any this version does not know).
+    """
+
+    host: str
+    port: int
+    params: dict[str, str] = field(default_factory=dict)
+    more_paths: tuple[Path, ...] = ()
+
+    @property
+    def endpoint(self) -> str:
+        """The ZeroMQ endpoint of the first path (the only one an older parser sees)."""
+        return f"tcp://{format_host(self.host)}:{self.port}"
+
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        """Every advertised path, in the source's order of preference."""
+        return (Path(self.host, self.port), *self.more_paths)
+
     def to_metadata(self) -> str:
-        if not self.params:
+        params = dict(self.params)
+        if self.more_paths:
+            params[PATHS_KEY] = ",".join(path.hostport for path in self.more_paths)
+        if not params:
             return self.endpoint
-        return f"{self.endpoint}?{urlencode(sorted(self.params.items()))}"
+        # As urlencode(sorted(...)) did before paths existed, but with the paths readable.
+        query = "&".join(
+            f"{quote_plus(key)}={quote_plus(value, safe=_PATHS_SAFE if key == PATHS_KEY else '')}"
+            for key, value in sorted(params.items())
+        )
+        return f"{self.endpoint}?{query}"
 
 
 def format_host(host: str) -> str:
@@ -47,7 +91,18 @@ def parse_metadata(metadata: str) -> PeerAddress:
     text, _, query = metadata.strip().partition("?")
     if not text.startswith("tcp://"):
         raise ValueError(f"bad zmqtransport metadata {metadata!r}: expected tcp://HOST:PORT")
-    hostport = text.removeprefix("tcp://")
+    first = _parse_hostport(text.removeprefix("tcp://"), metadata)
+    try:
+        params = dict(parse_qsl(query, strict_parsing=True)) if query else {}
+    except ValueError:
+        raise ValueError(f"bad zmqtransport metadata {metadata!r}: malformed parameters") from None
+    listed = params.pop(PATHS_KEY, None)
+    more = tuple(_parse_hostport(entry, metadata) for entry in listed.split(",")) if listed is not None else ()
+    return PeerAddress(first.host, first.port, params, more)
+
+
+def _parse_hostport(hostport: str, metadata: str) -> Path:
+    """``HOST:PORT`` or ``[IPV6]:PORT``; ``ValueError`` quoting the whole ``metadata`` if malformed."""
     if hostport.startswith("["):
         host, sep, rest = hostport[1:].partition("]")
         if not sep or not rest.startswith(":"):
@@ -59,11 +114,20 @@ def parse_metadata(metadata: str) -> PeerAddress:
             raise ValueError(f"bad zmqtransport metadata {metadata!r}: expected tcp://HOST:PORT")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(f"bad zmqtransport metadata {metadata!r}: invalid host or port")
-    try:
-        params = dict(parse_qsl(query, strict_parsing=True)) if query else {}
-    except ValueError:
-        raise ValueError(f"bad zmqtransport metadata {metadata!r}: malformed parameters") from None
-    return PeerAddress(host, int(port_text), params)
+    return Path(host, int(port_text))
+
+
+def split_hosts(value: str | Sequence[str], option: str) -> list[str]:
+    """A host list from a sequence or a comma-separated string; ``ValueError`` naming ``option`` if empty."""
+    if isinstance(value, str):
+        hosts = [part.strip() for part in value.split(",")] if "," in value else [value.strip()]
+    elif isinstance(value, Sequence) and all(isinstance(part, str) for part in value):
+        hosts = [part.strip() for part in value]
+    else:
+        raise ValueError(f"{option}={value!r}: expected a host, a comma-separated string or a list of hosts")
+    if not hosts or (len(hosts) > 1 and not all(hosts)):
+        raise ValueError(f"{option}={value!r}: expected at least one host and no empty entry")
+    return hosts
 
 
 def _interface_ipv4(name: str) -> str | None:
@@ -118,8 +182,32 @@ def choose_advertise_host(bind_host: str, override: str | None = None) -> str:
     for candidate in (override, os.environ.get(ADVERTISE_ENV)):
         if candidate:
             return candidate.strip("[]")
-    if bind_host not in ("*", "0.0.0.0", "::", ""):  # noqa: S104 - recognising a wildcard, not binding one
+    if bind_host not in WILDCARD_HOSTS:
         return bind_host.strip("[]")
     interface = _default_route_interface()
     address = _interface_ipv4(interface) if interface else None
     return address or _first_non_loopback_ipv4() or _hostname_address() or "127.0.0.1"
+
+
+def advertised_paths(bound: Sequence[tuple[str, int]], override: str | Sequence[str] | None = None) -> tuple[Path, ...]:
+    """The paths to advertise for a socket bound at ``bound`` (``(bind host, port)`` each, in order).
+
+    The advertised hosts are, in order of precedence: ``override`` (a list or
+    a comma-separated string), ``$ZMQTRANSPORT_ADVERTISE_HOST`` (comma-separated),
+    or each bind host itself, a wildcard replaced as :func:`choose_advertise_host`
+    says. One path per advertised host, in that order, duplicates dropped.
+    Ports: when there are as many advertised hosts as bind hosts, the i-th
+    gets the i-th bound port; otherwise every one gets the first bound port
+    (the ports differ only when a later bind could not get the first one).
+    """
+    chosen = override if override else os.environ.get(ADVERTISE_ENV)
+    if chosen:
+        hosts = [host.strip("[]") for host in split_hosts(chosen, "advertise_host")]
+    else:
+        hosts = [choose_advertise_host(host) for host, _ in bound]
+    ports = [port for _, port in bound] if len(hosts) == len(bound) else [bound[0][1]] * len(hosts)
+    paths: list[Path] = []
+    for host, port in zip(hosts, ports, strict=True):
+        if Path(host, port) not in paths:
+            paths.append(Path(host, port))
+    return tuple(paths)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, liveness, sockets, wire
+from . import buffers, landing, liveness, paths, wire
 from .codec import dtensor
 from .codec.paths import format_path
 from .codec.skeleton import build_tree
@@ -189,6 +189,8 @@ class _Receiver:
         options: FetchOptions,
     ) -> None:
         self.address = address
+        self.endpoint = address.endpoint  # the path in use (the first until several are tried)
+        self.context = context
         self.src_rank = src_rank
         self.step = step
         self.timeout = timeout
@@ -199,12 +201,10 @@ class _Receiver:
         self.parsed: landing.ParsedHeader | None = None  # set once the header is validated
         # Closed again if configuring it fails (a bad key, say): a socket left
         # open would make the transport's shutdown wait forever in Context.term().
-        self.socket = sockets.new_socket(context, zmq.DEALER, self._configure)
-        try:
-            self.source = liveness.SourceWatch(self.socket, options.stall_timeout)  # before connecting
-        except BaseException:
-            self.socket.close(linger=0)
-            raise
+        # The watch is set up before connecting, so it sees the handshake.
+        racing = bool(address.more_paths)
+        first = paths.open_candidate(context, address.paths[0], self._configure, options.stall_timeout, racing)
+        self.socket, self.source = first.socket, first.watch
 
     def _configure(self, sock: zmq.Socket[Any]) -> None:
         sock.setsockopt(zmq.IPV6, 1)
@@ -225,7 +225,7 @@ class _Receiver:
         )
 
     def _where(self) -> str:
-        return f"rank {self.src_rank} at {self.address.endpoint} (step {self.step})"
+        return f"rank {self.src_rank} at {self.endpoint} (step {self.step})"
 
     def _wait(self, waiting_for: str, in_transfer: bool) -> None:
         """Block until a message is ready; raise at the deadline, on a stall or a lost connection."""
@@ -248,7 +248,7 @@ class _Receiver:
             self._wait(waiting_for, in_transfer)
             frame = self.socket.recv(zmq.NOBLOCK)
         message = wire.unpack(frame, wire.MAX_REQUEST_BYTES)
-        wire.check_version(message, f"the sender at {self.address.endpoint}")
+        wire.check_version(message, f"the sender at {self.endpoint}")
         op = message.get("op")
         if message.get("id") != self.xfer and op != wire.OP_ERROR:
             raise ProtocolError(f"reply for another transfer: {message.get('id')!r}")
@@ -260,7 +260,7 @@ class _Receiver:
                 # The peer gave up waiting for the step on our behalf: same outcome
                 # as our own deadline passing, so the same error type.
                 raise self._timed_out(f"{waiting_for} (the peer staged nothing: {text})")
-            raise RemoteError(code, f"rank {self.src_rank} at {self.address.endpoint}: {text}")
+            raise RemoteError(code, f"rank {self.src_rank} at {self.endpoint}: {text}")
         if op not in wire.REPLY_OPS:
             raise ProtocolError(f"unknown reply op {op!r}")
         return message
@@ -279,8 +279,31 @@ class _Receiver:
 
     # ----------------------------------------------------------------- phases
 
+    def _connect(self) -> None:
+        """Connect to the only path, or to the most preferred of several that connects (:mod:`zmqtransport.paths`)."""
+        if not self.address.more_paths:
+            self.socket.connect(self.endpoint)
+            return
+        candidates = [paths.Candidate(self.address.paths[0], self.socket, self.source)]
+        try:
+            for path in self.address.more_paths:
+                candidates.append(paths.open_candidate(self.context, path, self._configure, self.options.stall_timeout))
+        except BaseException:
+            for candidate in candidates[1:]:
+                candidate.close()
+            raise
+        winner, tried = paths.connect_first(candidates, self.deadline)
+        if winner is None:
+            raise TimeoutError(
+                f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for a connection to "
+                f"rank {self.src_rank} (step {self.step}); paths tried: {tried}"
+            )
+        self.socket, self.source, self.endpoint = winner.socket, winner.watch, winner.path.endpoint
+        self.stats.peer = self.endpoint
+        logger.debug("rank %d: using path %s of %s", self.src_rank, self.endpoint, tried)
+
     def request(self, header_only: bool = False) -> None:
-        self.socket.connect(self.address.endpoint)
+        self._connect()
         wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
         request = wire.fetch_request(
             self.xfer, self.step, wait_ms, self.options.window, self.options.allow_pickle, header_only
@@ -316,7 +339,7 @@ class _Receiver:
             self._expect_no_more(f"data message {seq}")
             if header.checksum is not None and message.get("crc") != zlib.crc32(payload):
                 assert self.parsed is not None  # data only follows a validated header
-                raise _integrity_error(self.parsed, seq, pieces, self.address.endpoint, self.step)
+                raise _integrity_error(self.parsed, seq, pieces, self.endpoint, self.step)
             if unstager is not None and bounced:
                 unstager.deliver(pieces)
             unacknowledged += 1
@@ -525,7 +548,7 @@ def _fetch(
         "received step %d from rank %d at %s: %d bytes (%d in place) in %.3f s (%.2f GB/s)",
         step,
         src_rank,
-        address.endpoint,
+        receiver.endpoint,
         stats.bytes,
         stats.in_place_bytes,
         stats.seconds,

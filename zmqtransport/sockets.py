@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -76,6 +76,40 @@ def bind(sock: zmq.Socket[Any], bind_host: str, port: int) -> int:
     return int(bound.rsplit(":", 1)[1])
 
 
+def bind_all(sock: zmq.Socket[Any], bind_hosts: Sequence[str], port: int) -> list[int]:
+    """Bind ``sock`` on every host of ``bind_hosts`` (libzmq allows several binds); the port each got.
+
+    With ``port`` given, every host must get that port. With ``port=0`` the
+    first bind picks a free port and the later hosts try that same one, so
+    all paths usually share a port; where it is taken on that address, the
+    host gets a free port of its own (the metadata carries each path's port).
+    On any failure the socket is closed, which releases the binds made
+    before, and :class:`BindError` names the host at fault.
+    """
+    ports = [bind(sock, bind_hosts[0], port)]  # closes the socket if it fails
+    for host in bind_hosts[1:]:
+        if port or not _try_bind(sock, host, ports[0]):
+            ports.append(bind(sock, host, port))
+        else:
+            ports.append(ports[0])
+    return ports
+
+
+def _try_bind(sock: zmq.Socket[Any], bind_host: str, port: int) -> bool:
+    """Bind ``bind_host``:``port``; False if the port is taken there (the socket stays open)."""
+    try:
+        sock.bind(bind_endpoint(bind_host, port))
+    except zmq.ZMQError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return False
+        sock.close(linger=0)
+        raise bind_error(exc, bind_host, 0) from exc
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return True
+
+
 def bind_error(exc: zmq.ZMQError, bind_host: str, port: int) -> BindError:
     """What a failed bind means, in terms of the options the caller passed."""
     where = f"bind_host={bind_host!r}, port={port}"
@@ -111,4 +145,4 @@ def terminate(context: zmq.Context[Any], timeout: float = TERM_TIMEOUT) -> bool:
     return True
 
 
-__all__ = ["bind", "bind_endpoint", "bind_error", "check_port", "new_socket", "terminate"]
+__all__ = ["bind", "bind_all", "bind_endpoint", "bind_error", "check_port", "new_socket", "terminate"]

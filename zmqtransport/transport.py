@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -26,7 +26,7 @@ import zmq
 from . import security, sockets, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device
-from .net import PeerAddress, choose_advertise_host, parse_metadata
+from .net import PeerAddress, advertised_paths, parse_metadata, split_hosts
 from .receiver import FetchOptions, ProgressCallback, fetch, fetch_header, paused_gc
 from .serve import Server
 from .serve.staged import stage
@@ -76,11 +76,18 @@ class ZMQTransport(CheckpointTransport[T]):
             connection closes (process killed, connection reset) is dropped at
             once. See docs/protocol.md, "Liveness".
         bind_host: interface to listen on; ``"*"`` (default) means all of them.
-        port: TCP port to listen on; 0 (default) picks a free one.
-        advertise_host: the host put in :meth:`metadata`. Default: see
-            :func:`zmqtransport.net.choose_advertise_host` (the
-            ``ZMQTRANSPORT_ADVERTISE_HOST`` environment variable, the bind host,
-            or the default-route interface's address).
+            A list (or a comma-separated string) listens on each address:
+            one path per network (docs/protocol.md, "Paths").
+        port: TCP port to listen on; 0 (default) picks a free one. With
+            several bind hosts, every one listens on this port; with 0 the
+            first picks one and the others take the same one where it is free
+            (a free port of their own otherwise).
+        advertise_host: the host put in :meth:`metadata`, or a comma-separated
+            list (or list) of hosts: one advertised path each, in order of
+            preference. Default: see :func:`zmqtransport.net.advertised_paths`
+            (the ``ZMQTRANSPORT_ADVERTISE_HOST`` environment variable, also
+            comma-separated, else each bind host, a wildcard replaced by the
+            default-route interface's address).
         chunk_bytes: largest data frame this side sends.
         pack_below: storages smaller than this are packed together into shared
             frames (one frame per tiny tensor would be slow).
@@ -136,9 +143,9 @@ class ZMQTransport(CheckpointTransport[T]):
         timeout: timedelta,
         *,
         stall_timeout: timedelta | float | None = DEFAULT_STALL_TIMEOUT,
-        bind_host: str = "*",
+        bind_host: str | Sequence[str] = "*",
         port: int = 0,
-        advertise_host: str | None = None,
+        advertise_host: str | Sequence[str] | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         pack_below: int = DEFAULT_PACK_BELOW,
         window: int = DEFAULT_WINDOW,
@@ -158,21 +165,10 @@ class ZMQTransport(CheckpointTransport[T]):
         curve_server_keypair: security.KeyPair | tuple[bytes, bytes] | None = None,
     ) -> None:
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
-        if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes={chunk_bytes}: must be in [{wire.MIN_CHUNK_BYTES}, {wire.MAX_CHUNK_BYTES}]")
-        if not 0 <= pack_below <= chunk_bytes:
-            raise ValueError(f"pack_below={pack_below}: must be in [0, chunk_bytes={chunk_bytes}]")
-        if not 1 <= window <= wire.MAX_CREDIT:
-            raise ValueError(f"window={window}: must be in [1, {wire.MAX_CREDIT}]")
-        if not timeout > timedelta(0):
-            raise ValueError(f"timeout={timeout}: must be positive")
-        stall_seconds = _seconds_or_none(stall_timeout)
-        if stall_seconds is not None and not stall_seconds > 0:
-            raise ValueError(f"stall_timeout={stall_timeout!r}: must be positive or None")
-        if type(io_threads) is not int or io_threads < 1:
-            # libzmq accepts 0 and then fails every TCP bind with "No thread available".
-            raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
-        sockets.check_port(port)
+        stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
+        bind_hosts = split_hosts(bind_host, "bind_host")
+        if advertise_host:
+            split_hosts(advertise_host, "advertise_host")  # checked now; used once the ports are known
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._pack_below = pack_below
@@ -195,7 +191,6 @@ class ZMQTransport(CheckpointTransport[T]):
         self._curve = security.CurveSettings.resolve(
             curve_secret, curve_allowed_clients, curve_client_keypair, curve_server_keypair
         )
-        host = choose_advertise_host(bind_host, advertise_host)
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
@@ -211,7 +206,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 params[security.METADATA_KEY] = self._curve.server.public.decode("ascii")
             self._server = Server(
                 self._context,
-                bind_host,
+                bind_hosts,
                 port,
                 timeout.total_seconds(),
                 configure=configure,
@@ -225,13 +220,18 @@ class ZMQTransport(CheckpointTransport[T]):
                 self._zap.close()
             sockets.terminate(self._context)
             raise
-        self._address = PeerAddress(host, self._server.port, params)
+        first, *more = advertised_paths(self._server.bound, advertise_host)
+        self._address = PeerAddress(first.host, first.port, params, tuple(more))
         self.last_recv_stats: TransferStats | None = None
 
     # ------------------------------------------------------------------ contract
 
     def metadata(self) -> str:
-        """``tcp://HOST:PORT`` of this transport's ROUTER socket."""
+        """``tcp://HOST:PORT`` of this transport's ROUTER socket, then its parameters.
+
+        Several advertised paths: the first is ``HOST:PORT``, the others follow
+        as ``?paths=HOST:PORT,...`` (docs/protocol.md, "Metadata string").
+        """
         return self._address.to_metadata()
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
@@ -364,6 +364,34 @@ class ZMQTransport(CheckpointTransport[T]):
 
     def __repr__(self) -> str:
         return f"ZMQTransport({self.metadata()!r})"
+
+
+def _check_options(
+    timeout: timedelta,
+    stall_timeout: timedelta | float | None,
+    chunk_bytes: int,
+    pack_below: int,
+    window: int,
+    io_threads: int,
+    port: int,
+) -> float | None:
+    """Refuse a bad option value with a ``ValueError`` naming it; the stall bound in seconds."""
+    if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be in [{wire.MIN_CHUNK_BYTES}, {wire.MAX_CHUNK_BYTES}]")
+    if not 0 <= pack_below <= chunk_bytes:
+        raise ValueError(f"pack_below={pack_below}: must be in [0, chunk_bytes={chunk_bytes}]")
+    if not 1 <= window <= wire.MAX_CREDIT:
+        raise ValueError(f"window={window}: must be in [1, {wire.MAX_CREDIT}]")
+    if not timeout > timedelta(0):
+        raise ValueError(f"timeout={timeout}: must be positive")
+    stall_seconds = _seconds_or_none(stall_timeout)
+    if stall_seconds is not None and not stall_seconds > 0:
+        raise ValueError(f"stall_timeout={stall_timeout!r}: must be positive or None")
+    if type(io_threads) is not int or io_threads < 1:
+        # libzmq accepts 0 and then fails every TCP bind with "No thread available".
+        raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
+    sockets.check_port(port)
+    return stall_seconds
 
 
 def _seconds_or_none(value: timedelta | float | None) -> float | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -29,20 +29,27 @@ Configure = Callable[[zmq.Socket[Any]], None]  # applies security options to a n
 
 
 class Router:
-    """One ROUTER socket bound to a fixed port; :meth:`rebind` replaces it on the same port.
+    """One ROUTER socket bound to one or more addresses; :meth:`rebind` replaces it on the same ones.
 
     A socket monitor reports closed connections (a receiver killed, a connection
     reset) by file descriptor; each request's source descriptor (``ZMQ_SRCFD``)
     maps it to the routing ids that used that connection.
     """
 
-    def __init__(self, context: zmq.Context[Any], bind_host: str, port: int, configure: Configure | None) -> None:
-        """Bind ``bind_host``:``port``; on failure nothing stays open (:class:`~zmqtransport.BindError`)."""
+    def __init__(
+        self, context: zmq.Context[Any], bind_hosts: Sequence[str], port: int, configure: Configure | None
+    ) -> None:
+        """Bind every host of ``bind_hosts`` (see :func:`~zmqtransport.sockets.bind_all`).
+
+        On failure nothing stays open (:class:`~zmqtransport.BindError`).
+        """
         self._context = context
         self._configure = configure
         self.socket = self._make()
-        self.port = sockets.bind(self.socket, bind_host, port)  # closes the socket if it fails
-        self._endpoint = sockets.bind_endpoint(bind_host, self.port)
+        ports = sockets.bind_all(self.socket, bind_hosts, port)  # closes the socket if it fails
+        self.bound = list(zip(bind_hosts, ports, strict=True))  # (bind host, port) per path
+        self.port = ports[0]
+        self._endpoints = [sockets.bind_endpoint(host, bound_port) for host, bound_port in self.bound]
         try:
             self.monitor = self._monitor()
         except BaseException:
@@ -120,14 +127,15 @@ class Router:
         return tracker
 
     def rebind(self) -> None:
-        """Drop every queued frame by closing the socket, then listen again on the same port."""
+        """Drop every queued frame by closing the socket, then listen again on the same addresses and ports."""
         self._close_monitor()
         self.socket.close(linger=0)
         deadline = time.monotonic() + REBIND_DEADLINE
         while True:
             router = self._make()
             try:
-                router.bind(self._endpoint)
+                for endpoint in self._endpoints:
+                    router.bind(endpoint)
             except zmq.ZMQError:
                 router.close(linger=0)
                 if time.monotonic() > deadline:

@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +107,7 @@ class Server:
     def __init__(
         self,
         context: zmq.Context[Any],
-        bind_host: str,
+        bind_host: str | Sequence[str],
         port: int,
         timeout: float,
         configure: Configure | None = None,
@@ -118,7 +119,8 @@ class Server:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = WakePipe()
         try:
-            self._router = Router(context, bind_host, port, configure)  # nothing open if it fails
+            hosts = [bind_host] if isinstance(bind_host, str) else list(bind_host)
+            self._router = Router(context, hosts, port, configure)  # nothing open if it fails
         except BaseException:
             self._wake.close()
             raise
@@ -133,6 +135,7 @@ class Server:
 
     def _start(self, timeout: float, stall: float | None, staging: DeviceStaging | None) -> None:
         self.port = self._router.port
+        self.bound = self._router.bound  # (bind host, port) of every address listened on
         self._scheduler = Scheduler(timeout, stall)
         self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall)
         # Device memory goes out through the stager's pinned ring; the serving
