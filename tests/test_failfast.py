@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from zmqtransport import BindError, ZMQTransport, buffers, device, receiver, security, sender, sockets
+from zmqtransport import transport as transport_module
 from zmqtransport.net import PeerAddress
 from zmqtransport.serve import server as serve_server
 
@@ -252,6 +253,78 @@ def test_zap_handler_that_cannot_start_leaves_no_socket() -> None:
     finally:
         first.close()
     assert sockets.terminate(context, HANG_S), "a ZAP handler socket was left open"
+
+
+# ----------------------------------------------------------------------------- shutdown: every wait bounded
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = HANG_S) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.mark.usefixtures("nothing_left")
+def test_shutdown_closes_everything_and_warns_about_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="zmqtransport")
+    peer: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
+    peer.send_checkpoint([], 1, {"w": torch.arange(4.0)}, TIMEOUT)
+    _, error, _ = call_bounded(peer.shutdown)
+    assert error is None
+    assert peer._context.closed and not peer._server.alive
+    assert not [r.getMessage() for r in caplog.get_records("call") if r.levelno >= logging.WARNING]
+
+
+def test_shutdown_with_a_leaked_socket_returns_within_its_bound(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    bound = 0.5
+    monkeypatch.setattr(transport_module, "SHUTDOWN_TERM_TIMEOUT", bound)
+    caplog.set_level(logging.WARNING, logger="zmqtransport")
+    threads = _our_threads()
+    peer: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
+    _CONTEXTS.append(peer._context)  # see _CONTEXTS: collecting it would wait for the leaked socket
+    leaked = peer._context.socket(zmq.DEALER)  # a caller's socket on the transport's context, never closed
+    try:
+        _, error, seconds = call_bounded(peer.shutdown)  # hung for good in Context.term() before the bound
+        assert error is None
+        assert seconds < bound + HANG_S / 2
+        assert not peer._server.alive
+        warnings = [r for r in caplog.get_records("call") if "did not terminate" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, warnings
+        assert "zmq.DEALER" in warnings[0].getMessage(), "the warning does not name the socket left open"
+    finally:
+        leaked.close(linger=0)
+    # Once the leak is closed, the abandoned term() finishes: nothing of ours stays behind.
+    assert _wait_for(lambda: peer._context.closed), "the context did not terminate after the leak was closed"
+    assert _wait_for(lambda: not _our_threads() - threads), f"threads left running: {_our_threads() - threads}"
+
+
+@pytest.mark.usefixtures("nothing_left")
+def test_server_stop_gives_up_on_a_stuck_serving_thread(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="zmqtransport")
+    release = threading.Event()
+    finish = serve_server.Server._shutdown_in_thread
+
+    def stuck_then_finish(self: serve_server.Server) -> None:
+        release.wait(HANG_S)  # a serving thread that does not get to its cleanup in time
+        finish(self)
+
+    monkeypatch.setattr(serve_server.Server, "_shutdown_in_thread", stuck_then_finish)
+    context = new_context()
+    server = serve_server.Server(context, LOOPBACK, 0, 1.0)
+    try:
+        stopped, error, _ = call_bounded(lambda: server.stop(wait=True, timeout=0.2))
+        assert error is None and stopped is False and server.alive
+        message = " ".join(r.getMessage() for r in caplog.get_records("call"))
+        assert "did not stop within 0.2 s" in message and "zmqtransport-serve-" in message
+    finally:
+        release.set()
+    assert server.stop(wait=True)
+    assert sockets.terminate(context, HANG_S), "the ROUTER was left open"
 
 
 def test_unstager_gives_its_kit_back_when_an_engine_fails() -> None:

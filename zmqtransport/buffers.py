@@ -23,6 +23,7 @@ import ctypes
 import errno
 import functools
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -30,6 +31,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 * 1024 * 1024
 PAGE = mmap.PAGESIZE
@@ -42,6 +45,11 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 PREFAULT_PIECE = 4 * 1024 * 1024
 # Fresh memory below this (per transfer) is not worth starting threads for.
 PREFAULT_MIN_BYTES = 16 * 1024 * 1024
+# Seconds close() waits for each worker: one finishes at most the piece it is
+# on (4 MiB of page faults, milliseconds even on a loaded machine). A worker
+# left behind is harmless: MADV_POPULATE_WRITE never changes bytes, and on memory
+# already unmapped it fails with ENOMEM.
+PREFAULT_JOIN_TIMEOUT = 5.0
 PREFAULT_NICE = 10  # niceness of prefault threads, relative to nothing (absolute, like nice(1))
 
 
@@ -199,7 +207,9 @@ class Prefaulter:
         self._stopped = True
         for thread in self._threads:
             if thread.ident is not None:  # started (a failed start leaves the rest unstarted)
-                thread.join()
+                thread.join(PREFAULT_JOIN_TIMEOUT)
+                if thread.is_alive():
+                    logger.warning("zmqtransport: a prefault worker did not stop within %g s", PREFAULT_JOIN_TIMEOUT)
 
 
 class Arena:

@@ -129,20 +129,37 @@ def bind_error(exc: zmq.ZMQError, bind_host: str, port: int) -> BindError:
     return error
 
 
-def terminate(context: zmq.Context[Any], timeout: float = TERM_TIMEOUT) -> bool:
+def terminate(context: zmq.Context[Any], timeout: float = TERM_TIMEOUT, *, level: int = logging.ERROR) -> bool:
     """``context.term()``, waiting at most ``timeout`` seconds; False if it did not finish.
 
     For error paths, which must never hang: ``term()`` blocks while a socket of
     the context is still open, which is a bug elsewhere. Rather than wait
-    forever, that is logged and the context is left to the process.
+    forever, that is logged at ``level``, naming the sockets still open, and
+    the context is left to the process.
     """
     worker = threading.Thread(target=context.term, name="zmqtransport-term", daemon=True)
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        logger.error("zmqtransport: a ZeroMQ socket was left open; its context did not terminate in %.1f s", timeout)
+        logger.log(
+            level,
+            "zmqtransport: the ZeroMQ context did not terminate within %.1f s; left open (never closed by its"
+            " owner): %s. The context is left to the process.",
+            timeout,
+            ", ".join(open_sockets(context)) or "a socket",
+        )
         return False
     return True
 
 
-__all__ = ["bind", "bind_all", "bind_endpoint", "bind_error", "check_port", "new_socket", "terminate"]
+def open_sockets(context: zmq.Context[Any]) -> list[str]:
+    """The sockets of ``context`` not closed yet, as pyzmq names them (``<zmq.Socket(zmq.DEALER) at 0x...>``).
+
+    Read from pyzmq's own bookkeeping, without a socket call: the sockets may
+    belong to other threads, and a terminating context refuses every call.
+    """
+    tracked = getattr(context, "_sockets", None) or ()  # pyzmq's WeakSet of the context's sockets
+    return [repr(sock) for sock in list(tracked) if not sock.closed]
+
+
+__all__ = ["bind", "bind_all", "bind_endpoint", "bind_error", "check_port", "new_socket", "open_sockets", "terminate"]

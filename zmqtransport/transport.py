@@ -45,6 +45,13 @@ DEFAULT_WINDOW = 16
 # a receiver frozen for longer than this is dropped by its source. 5 s leaves a
 # wide margin above both and stays far below torchft's usual 60 s timeouts.
 DEFAULT_STALL_TIMEOUT = 5.0
+# Seconds shutdown() waits for Context.term() once its own sockets are closed
+# (linger 0). term() then waits only for sockets of other threads: a fetch in
+# flight gets ETERM on its next call and closes its DEALER at once, so a
+# socket still open after this is one its owner never closed (a leak), and
+# the trainer's exit must not hang on it. The serving thread's own bound is
+# serve.server.STOP_JOIN_TIMEOUT.
+SHUTDOWN_TERM_TIMEOUT = 5.0
 
 
 class ZMQTransport(CheckpointTransport[T]):
@@ -347,10 +354,11 @@ class ZMQTransport(CheckpointTransport[T]):
         return self._address
 
     def _close(self) -> None:
+        """Every wait bounded: a bound that is hit is logged (naming what was left open), never hung on."""
         self._server.stop(wait=True)
         if self._zap is not None:
             self._zap.close()
-        self._context.term()
+        sockets.terminate(self._context, SHUTDOWN_TERM_TIMEOUT, level=logging.WARNING)
 
     def _check_open(self) -> None:
         if self._shut_down:

@@ -51,6 +51,14 @@ logger = logging.getLogger("zmqtransport.sender")
 DISALLOW_POLL = 0.005  # how often a waiting disallow checks the zero-copy frames
 DISALLOW_GRACE = 30.0  # beyond the timeout: the forced release and the rebind
 SHUTDOWN_FRAME_WAIT = 5.0  # at shutdown, the wait for libzmq to release frames
+# How long stop(wait=True) waits for the serving thread. Told to stop, it
+# finishes the loop pass it is in (its sends do not block), closes the ROUTER
+# with linger 0, waits at most SHUTDOWN_FRAME_WAIT for libzmq to let go of the
+# frames (immediate once the socket is closed) and synchronises device copies
+# (a few chunks). The margin covers that and a loaded machine; only a rebind
+# of the port in progress (rare, up to router.REBIND_DEADLINE) can outlast it,
+# and the owner's bounded Context.term() then makes its socket calls fail.
+STOP_JOIN_TIMEOUT = SHUTDOWN_FRAME_WAIT + 5.0
 
 
 @dataclass(frozen=True)
@@ -165,11 +173,21 @@ class Server:
             if time.monotonic() > deadline:
                 raise TimeoutError("disallow_checkpoint timed out waiting for the serving thread")
 
-    def stop(self, wait: bool) -> None:
+    def stop(self, wait: bool, timeout: float = STOP_JOIN_TIMEOUT) -> bool:
+        """Tell the serving thread to stop; with ``wait``, wait at most ``timeout`` s. False if it still runs."""
         if self._thread.is_alive():
             self._command(StopCommand())
-        if wait:
-            self._thread.join()
+        if not wait:
+            return True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning(
+                "zmqtransport: the serving thread %s did not stop within %.1f s; its ROUTER socket is still open",
+                self._thread.name,
+                timeout,
+            )
+            return False
+        return True
 
     @property
     def alive(self) -> bool:
