@@ -406,7 +406,10 @@ def test_inspect_describes_without_transferring(peer: Peer) -> None:
 
 def test_inspect_errors_are_one_line(peer: Peer) -> None:
     wrong = run_cli("inspect", peer.metadata, "--step", "9")
-    assert "wrong_step" in _one_error_line(wrong, "inspect")
+    line = _one_error_line(wrong, "inspect")
+    assert "wrong_step" in line
+    # inspect has no rank for the peer: no placeholder rank in its words.
+    assert "rank" not in line and f"the peer at {peer.metadata.split('?')[0]}" in line, line
     nobody = run_cli("inspect", f"tcp://{LOOPBACK}:{_free_port()}", "--step", "1", "--timeout", "1")
     assert "timed out" in _one_error_line(nobody, "inspect")
 

@@ -183,7 +183,7 @@ class _Receiver:
         self,
         context: zmq.Context[Any],
         address: PeerAddress,
-        src_rank: int,
+        src_rank: int | None,
         step: int,
         timeout: float,
         options: FetchOptions,
@@ -191,7 +191,7 @@ class _Receiver:
         self.address = address
         self.endpoint = address.endpoint  # the path in use (the first until several are tried)
         self.context = context
-        self.src_rank = src_rank
+        self.src_rank = src_rank  # None: the caller has no rank for the peer (fetch_header)
         self.step = step
         self.timeout = timeout
         self.options = options
@@ -225,7 +225,12 @@ class _Receiver:
         )
 
     def _where(self) -> str:
-        return f"rank {self.src_rank} at {self.endpoint} (step {self.step})"
+        return f"{self._peer()} (step {self.step})"
+
+    def _peer(self, at: bool = True) -> str:
+        """How messages name the source: by its rank where the caller gave one."""
+        who = "the peer" if self.src_rank is None else f"rank {self.src_rank}"
+        return f"{who} at {self.endpoint}" if at else who
 
     def _wait(self, waiting_for: str, in_transfer: bool) -> None:
         """Block until a message is ready; raise at the deadline, on a stall or a lost connection."""
@@ -260,7 +265,7 @@ class _Receiver:
                 # The peer gave up waiting for the step on our behalf: same outcome
                 # as our own deadline passing, so the same error type.
                 raise self._timed_out(f"{waiting_for} (the peer staged nothing: {text})")
-            raise RemoteError(code, f"rank {self.src_rank} at {self.endpoint}: {text}")
+            raise RemoteError(code, f"{self._peer()}: {text}")
         if op not in wire.REPLY_OPS:
             raise ProtocolError(f"unknown reply op {op!r}")
         return message
@@ -296,11 +301,11 @@ class _Receiver:
         if winner is None:
             raise TimeoutError(
                 f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for a connection to "
-                f"rank {self.src_rank} (step {self.step}); paths tried: {tried}"
+                f"{self._peer(at=False)} (step {self.step}); paths tried: {tried}"
             )
         self.socket, self.source, self.endpoint = winner.socket, winner.watch, winner.path.endpoint
         self.stats.peer = self.endpoint
-        logger.debug("rank %d: using path %s of %s", self.src_rank, self.endpoint, tried)
+        logger.debug("%s: using path %s of %s", self._peer(at=False), self.endpoint, tried)
 
     def request(self, header_only: bool = False) -> None:
         self._connect()
@@ -565,7 +570,7 @@ def fetch_header(
     options: FetchOptions,
 ) -> wire.Header:
     """Ask the peer for the header of ``step`` only (no tensor data moves)."""
-    receiver = _Receiver(context, address, -1, step, timeout, options)
+    receiver = _Receiver(context, address, None, step, timeout, options)
     try:
         receiver.request(header_only=True)
         parsed = receiver.receive_header()
