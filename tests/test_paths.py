@@ -52,20 +52,6 @@ def old_parse(metadata: str) -> tuple[str, int, dict[str, str]]:
 
 
 @pytest.fixture
-def make_transport() -> Iterator[Callable[..., ZMQTransport[Any]]]:
-    made: list[ZMQTransport[Any]] = []
-
-    def make(**options: Any) -> ZMQTransport[Any]:
-        transport: ZMQTransport[Any] = ZMQTransport(options.pop("timeout", TIMEOUT), **options)
-        made.append(transport)
-        return transport
-
-    yield make
-    for transport in made:
-        transport.shutdown()
-
-
-@pytest.fixture
 def no_advertise_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ADVERTISE_ENV, raising=False)
 
