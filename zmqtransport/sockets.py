@@ -19,10 +19,10 @@ from typing import Any
 import zmq
 
 from .errors import BindError
+from .net import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
 
-WILDCARDS = ("", "*", "0.0.0.0", "::")  # noqa: S104 - recognising the wildcard, not binding it
 MAX_PORT = 65535
 TERM_TIMEOUT = 5.0  # seconds an error path waits for Context.term() before giving up on it
 
@@ -37,7 +37,7 @@ def check_port(port: int) -> int:
 
 def bind_endpoint(bind_host: str, port: int) -> str:
     """The ZeroMQ endpoint for listening on ``bind_host``:``port`` (``*`` for every wildcard form)."""
-    host = "*" if bind_host in WILDCARDS else bind_host
+    host = "*" if bind_host in WILDCARD_HOSTS else bind_host
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port or '*'}"
