@@ -32,7 +32,7 @@ import zmq
 
 from zmqtransport import BindError, ZMQTransport, buffers, device, receiver, security, sender, sockets
 from zmqtransport import transport as transport_module
-from zmqtransport.net import PeerAddress
+from zmqtransport.net import ADVERTISE_ENV, PeerAddress
 from zmqtransport.serve import server as serve_server
 
 pytestmark = pytest.mark.timeout(120)  # a backstop: each wait below is bounded on its own
@@ -173,6 +173,15 @@ def test_invalid_options_are_named(options: dict[str, Any], named: str) -> None:
     timeout = options.pop("timeout", TIMEOUT)
     error = expect_error(lambda: ZMQTransport(timeout, bind_host=LOOPBACK, **options), ValueError)
     assert named in str(error)
+
+
+@pytest.mark.usefixtures("nothing_left")
+def test_malformed_advertise_variable_is_named_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The environment is read at construction: a bad value must fail like a bad
+    # option, before the serving thread and its socket exist.
+    monkeypatch.setenv(ADVERTISE_ENV, "10.0.0.7,,10.0.0.8")
+    error = expect_error(lambda: ZMQTransport(TIMEOUT, bind_host=LOOPBACK), ValueError)
+    assert str(error).startswith(f"{ADVERTISE_ENV}='10.0.0.7,,10.0.0.8': ")
 
 
 def test_construction_after_failures_still_works(busy_port: int) -> None:

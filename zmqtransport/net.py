@@ -189,25 +189,42 @@ def choose_advertise_host(bind_host: str, override: str | None = None) -> str:
     return address or _first_non_loopback_ipv4() or _hostname_address() or "127.0.0.1"
 
 
-def advertised_paths(bound: Sequence[tuple[str, int]], override: str | Sequence[str] | None = None) -> tuple[Path, ...]:
-    """The paths to advertise for a socket bound at ``bound`` (``(bind host, port)`` each, in order).
+def advertised_hosts(bind_hosts: Sequence[str], override: str | Sequence[str] | None = None) -> list[str]:
+    """The hosts to advertise for a socket bound on ``bind_hosts``, in order of preference.
 
-    The advertised hosts are, in order of precedence: ``override`` (a list or
-    a comma-separated string), ``$ZMQTRANSPORT_ADVERTISE_HOST`` (comma-separated),
-    or each bind host itself, a wildcard replaced as :func:`choose_advertise_host`
-    says. One path per advertised host, in that order, duplicates dropped.
-    Ports: when there are as many advertised hosts as bind hosts, the i-th
-    gets the i-th bound port; otherwise every one gets the first bound port
-    (the ports differ only when a later bind could not get the first one).
+    In order of precedence: ``override`` (a list or a comma-separated string),
+    ``$ZMQTRANSPORT_ADVERTISE_HOST`` (comma-separated), or each bind host
+    itself, a wildcard replaced as :func:`choose_advertise_host` says. Needs
+    no port, so a transport decides (and refuses a malformed list, naming the
+    option or the variable) before it acquires anything.
     """
-    chosen = override if override else os.environ.get(ADVERTISE_ENV)
-    if chosen:
-        hosts = [host.strip("[]") for host in split_hosts(chosen, "advertise_host")]
-    else:
-        hosts = [choose_advertise_host(host) for host, _ in bound]
-    ports = [port for _, port in bound] if len(hosts) == len(bound) else [bound[0][1]] * len(hosts)
+    if override:
+        return [host.strip("[]") for host in split_hosts(override, "advertise_host")]
+    variable = os.environ.get(ADVERTISE_ENV)
+    if variable:
+        return [host.strip("[]") for host in split_hosts(variable, ADVERTISE_ENV)]
+    return [choose_advertise_host(host) for host in bind_hosts]
+
+
+def paths_with_ports(hosts: Sequence[str], ports: Sequence[int]) -> tuple[Path, ...]:
+    """One path per advertised host, duplicates dropped, with the port of its bind.
+
+    When there are as many advertised hosts as bound ports, the i-th host gets
+    the i-th port; otherwise every one gets the first (the ports differ only
+    when a later bind could not get the first one).
+    """
+    matched = list(ports) if len(hosts) == len(ports) else [ports[0]] * len(hosts)
     paths: list[Path] = []
-    for host, port in zip(hosts, ports, strict=True):
+    for host, port in zip(hosts, matched, strict=True):
         if Path(host, port) not in paths:
             paths.append(Path(host, port))
     return tuple(paths)
+
+
+def advertised_paths(bound: Sequence[tuple[str, int]], override: str | Sequence[str] | None = None) -> tuple[Path, ...]:
+    """The paths to advertise for a socket bound at ``bound`` (``(bind host, port)`` each, in order).
+
+    :func:`advertised_hosts` with the ports of :func:`paths_with_ports`.
+    """
+    hosts = advertised_hosts([host for host, _ in bound], override)
+    return paths_with_ports(hosts, [port for _, port in bound])

@@ -26,7 +26,7 @@ import zmq
 from . import security, sockets, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device
-from .net import PeerAddress, advertised_paths, parse_metadata, split_hosts
+from .net import PeerAddress, advertised_hosts, parse_metadata, paths_with_ports, split_hosts
 from .receiver import FetchOptions, ProgressCallback, fetch, fetch_header, paused_gc
 from .serve import Server
 from .serve.staged import stage
@@ -91,7 +91,7 @@ class ZMQTransport(CheckpointTransport[T]):
             (a free port of their own otherwise).
         advertise_host: the host put in :meth:`metadata`, or a comma-separated
             list (or list) of hosts: one advertised path each, in order of
-            preference. Default: see :func:`zmqtransport.net.advertised_paths`
+            preference. Default: see :func:`zmqtransport.net.advertised_hosts`
             (the ``ZMQTRANSPORT_ADVERTISE_HOST`` environment variable, also
             comma-separated, else each bind host, a wildcard replaced by the
             default-route interface's address).
@@ -174,8 +174,8 @@ class ZMQTransport(CheckpointTransport[T]):
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
         bind_hosts = split_hosts(bind_host, "bind_host")
-        if advertise_host:
-            split_hosts(advertise_host, "advertise_host")  # checked now; used once the ports are known
+        # Chosen (and checked) before anything is acquired; the ports follow the binds.
+        advertised = advertised_hosts(bind_hosts, advertise_host)
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._pack_below = pack_below
@@ -227,7 +227,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 self._zap.close()
             sockets.terminate(self._context)
             raise
-        first, *more = advertised_paths(self._server.bound, advertise_host)
+        first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
         self._address = PeerAddress(first.host, first.port, params, tuple(more))
         self.last_recv_stats: TransferStats | None = None
 
