@@ -684,3 +684,28 @@ def test_cuda_staging_waits_for_the_producer_stream(make_transport: Any) -> None
     sender.send_checkpoint([1], 1, {"t": tensor}, TIMEOUT)
     got = receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
     assert torch.equal(got["t"], torch.full_like(tensor, 20.0))
+
+
+def test_ring_buffers_are_sized_for_the_largest_message_of_the_transfer() -> None:
+    # Found on an H200: a buffer first used for a small (packed or tail)
+    # message grew, a second pinned allocation, when a full message came to it.
+    fake = FakeDevice()
+    staging = fake.staging(slots=4, depth=4)
+    state = {"tail": torch.randn(300), "big": torch.randn(5000), "more": torch.randn(3000)}
+    plan, expected = _plan_for(state, staging)
+    sizes = {wire.chunk_length(pieces) for pieces in plan.pieces}
+    assert len(sizes) > 1  # messages of several sizes share the ring
+    stager = SendStager(staging)
+    for key in ("step1", "step2"):
+        assert _serve(stager, key, plan) == expected
+    assert stager.ring.allocations <= 4
+    assert all(slot.buffer.numel() >= max(sizes) for slot in stager.ring.slots)
+
+
+def test_ring_reserve_sizes_new_buffers() -> None:
+    ring = PinnedRing(2, lambda n: torch.empty(n, dtype=torch.uint8))
+    small = ring.acquire("a", 10, reserve=100)
+    assert small is not None and small.buffer.numel() == 100
+    ring.release(small)
+    assert ring.acquire("b", 100, reserve=100) is small  # reused as it is: no growth
+    assert ring.allocations == 1

@@ -199,6 +199,7 @@ class _Receiver:
         self.xfer = random.getrandbits(63)
         self.stats = TransferStats(peer=address.endpoint, step=step)
         self.parsed: landing.ParsedHeader | None = None  # set once the header is validated
+        self.bounce_bytes = 0  # size of each pinned bounce buffer (device receives only)
         # Closed again if configuring it fails (a bad key, say): a socket left
         # open would make the transport's shutdown wait forever in Context.term().
         # The watch is set up before connecting, so it sees the handshake.
@@ -335,6 +336,9 @@ class _Receiver:
         batch = max(1, self.options.window // 2)
         progress = self.options.progress
         prefaulter = landed.prefaulter
+        if unstager is not None:
+            # Every bounce buffer is sized for the largest bounced message: none grows mid-receive.
+            self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
         for seq, pieces in enumerate(chunks):
             message = self._recv_envelope(f"data message {seq} of {len(chunks)}", in_transfer=True)
             if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
@@ -368,7 +372,7 @@ class _Receiver:
         if unstager is not None:
             # Device memory: into a pinned bounce buffer; its copies to the
             # device are queued after the checksum and overlap the next frames.
-            return recv_exact(self.socket, unstager.buffer(expected), what, expected)
+            return recv_exact(self.socket, unstager.buffer(expected, self.bounce_bytes), what, expected)
         destinations = landed.destinations
         if len(pieces) == 1:
             piece = pieces[0]

@@ -70,11 +70,15 @@ class RecvUnstager:
         """Whether a data message carries bytes for a staged destination."""
         return any(self._staged[piece.storage] for piece in pieces)
 
-    def buffer(self, nbytes: int) -> memoryview:
-        """A bounce buffer of ``nbytes`` to receive the next message into."""
+    def buffer(self, nbytes: int, reserve: int = 0) -> memoryview:
+        """A bounce buffer of ``nbytes`` to receive the next message into.
+
+        ``reserve``: the receive's largest bounced message, the size a new
+        buffer gets (see :meth:`PinnedRing.acquire`).
+        """
         assert self._current is None, "deliver() the previous message first"
         ring = self._kit.ring
-        slot = ring.acquire(self, nbytes)
+        slot = ring.acquire(self, nbytes, reserve)
         while slot is None:
             # Back-pressure: every buffer feeds a copy still running. Wait for
             # the oldest; later frames wait in the socket meanwhile (bounded by credit).
@@ -83,7 +87,7 @@ class RecvUnstager:
             oldest = self._inflight.popleft()
             if oldest.event is not None:
                 oldest.event.synchronize()
-            slot = ring.acquire(self, nbytes)
+            slot = ring.acquire(self, nbytes, reserve)
         if slot in self._inflight:
             self._inflight.remove(slot)
         self._current = slot

@@ -86,8 +86,15 @@ class PinnedRing:
         self.allocations += 1
         return self._allocate(nbytes)
 
-    def acquire(self, holder: object, nbytes: int) -> Slot | None:
-        """A free buffer of at least ``nbytes`` for ``holder``, or None when all are in flight."""
+    def acquire(self, holder: object, nbytes: int, reserve: int = 0) -> Slot | None:
+        """A free buffer of at least ``nbytes`` for ``holder``, or None when all are in flight.
+
+        A buffer allocated (or grown) here gets ``max(nbytes, reserve)`` bytes:
+        an owner that knows the largest message of its transfer passes it as
+        ``reserve``, so a buffer first used for a small message is not grown
+        (a second pinned allocation) when a full-size one comes to it later.
+        """
+        size = max(nbytes, reserve)
         count = len(self._slots)
         chosen: Slot | None = None
         # Round robin from the slot after the last one handed out: the least
@@ -100,11 +107,11 @@ class PinnedRing:
         if chosen is None:
             if count >= self._capacity:
                 return None  # back-pressure: every buffer is held or in flight
-            chosen = Slot(count, self._buffer(nbytes))
+            chosen = Slot(count, self._buffer(size))
             self._slots.append(chosen)
         elif chosen.buffer.numel() < nbytes:
             # Larger messages than this buffer has carried: grow it once, keep it.
-            chosen.buffer = self._buffer(nbytes)
+            chosen.buffer = self._buffer(size)
         chosen.holder = holder
         chosen.uses += 1
         self._next = (chosen.index + 1) % self._capacity

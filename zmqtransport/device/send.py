@@ -68,6 +68,7 @@ class _Lane:
 
     plan: SendPlan
     next_issue: int = 0
+    largest: int = 0  # bytes of the transfer's largest staged message: every buffer's size
     queued: deque[tuple[int, Slot]] = field(default_factory=deque)
     waited: set[torch.device] = field(default_factory=set)
 
@@ -106,7 +107,8 @@ class SendStager:
         """Whether message ``seq`` can be sent now; first issues copies ahead of it."""
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = _Lane(plan, next_issue=seq)
+            largest = max((wire.chunk_length(p) for p, c in zip(plan.pieces, plan.chunks, strict=True) if c), default=0)
+            lane = self._lanes[key] = _Lane(plan, next_issue=seq, largest=largest)
         self._issue(key, lane, seq, credit)
         if not plan.chunks[seq]:
             return True  # host memory only: the server frames it directly
@@ -126,7 +128,7 @@ class SendStager:
         while len(lane.queued) < cap and lane.next_issue < limit:
             at = lane.next_issue
             if chunks[at]:
-                slot = self._ring.acquire(key, wire.chunk_length(lane.plan.pieces[at]))
+                slot = self._ring.acquire(key, wire.chunk_length(lane.plan.pieces[at]), lane.largest)
                 if slot is None:
                     return  # back-pressure: every buffer is held or in flight
                 self._fill(lane, at, slot)
