@@ -50,6 +50,7 @@ MIN_CHUNK_BYTES = 4 * 1024
 # Largest number of data messages one receiver may have in flight (server-side cap).
 MAX_CREDIT = 256
 MAX_STEP = 2**63 - 1
+MAX_MESSAGES = 2**32  # bound on a span's data message numbers (a plan has far fewer)
 # Most storages and tensor-table entries one header may describe. Each costs the
 # receiver Python objects and an allocation even when empty, so without a cap a
 # header of zero-sized storages could exhaust memory while claiming no bytes.
@@ -99,6 +100,10 @@ class Request:
     credit: int = 0
     accept_pickle: bool = False
     header_only: bool = False
+    # A span fetch (striped receives): data messages [first, stop) of the step
+    # staged as ``stage``, without a header (docs/protocol.md, "Spans").
+    span: tuple[int, int] | None = None
+    stage: int | None = None
 
 
 def decode_request(frame: bytes | memoryview) -> Request:
@@ -119,6 +124,7 @@ def decode_request(frame: bytes | memoryview) -> Request:
         credit = _field(message, "credit", int)
         if wait_ms < 0 or credit < 1:
             raise ProtocolError("wait_ms must be >= 0 and credit >= 1")
+        span, stage = _span(message)
         return Request(
             op,
             xfer,
@@ -127,6 +133,8 @@ def decode_request(frame: bytes | memoryview) -> Request:
             credit=min(credit, MAX_CREDIT),
             accept_pickle=bool(message.get("pickle", False)),
             header_only=bool(message.get("header_only", False)),
+            span=span,
+            stage=stage,
         )
     if op == OP_CREDIT:
         credit = _field(message, "n", int)
@@ -136,21 +144,47 @@ def decode_request(frame: bytes | memoryview) -> Request:
     return Request(op, xfer)
 
 
+def _span(message: dict[str, Any]) -> tuple[tuple[int, int] | None, int | None]:
+    """The optional ``span`` and ``stage`` fields of a fetch: both or neither."""
+    span, stage = message.get("span"), message.get("stage")
+    if span is None and stage is None:
+        return None, None
+    if not (isinstance(span, list) and len(span) == 2 and all(type(n) is int for n in span)):
+        raise ProtocolError("field 'span' must be [first, stop], two integers")
+    first, stop = span
+    if not 0 <= first < stop <= MAX_MESSAGES:
+        raise ProtocolError(f"span {span!r} out of range")
+    if type(stage) is not int or not 0 <= stage < 2**64:
+        raise ProtocolError("a span fetch needs field 'stage', an unsigned 64-bit integer")
+    return (first, stop), stage
+
+
 def fetch_request(
-    xfer: int, step: int, wait_ms: int, credit: int, accept_pickle: bool, header_only: bool = False
+    xfer: int,
+    step: int,
+    wait_ms: int,
+    credit: int,
+    accept_pickle: bool,
+    header_only: bool = False,
+    span: tuple[int, int] | None = None,
+    stage: int | None = None,
 ) -> bytes:
-    return pack(
-        {
-            "v": PROTOCOL_VERSION,
-            "op": OP_FETCH,
-            "id": xfer,
-            "step": step,
-            "wait_ms": wait_ms,
-            "credit": credit,
-            "pickle": accept_pickle,
-            "header_only": header_only,
-        }
-    )
+    message = {
+        "v": PROTOCOL_VERSION,
+        "op": OP_FETCH,
+        "id": xfer,
+        "step": step,
+        "wait_ms": wait_ms,
+        "credit": credit,
+        "pickle": accept_pickle,
+        "header_only": header_only,
+    }
+    if span is not None:
+        # Only span fetches carry these: a request without them is byte for
+        # byte what releases before spans sent.
+        message["span"] = list(span)
+        message["stage"] = stage
+    return pack(message)
 
 
 def credit_request(xfer: int, n: int) -> bytes:
@@ -207,8 +241,12 @@ class Header:
         )
 
 
-def header_envelope(xfer: int) -> bytes:
-    return pack({"v": PROTOCOL_VERSION, "op": OP_HEADER, "id": xfer})
+def header_envelope(xfer: int, stage: int | None = None) -> bytes:
+    """``stage``: the staging's id, which also says that this sender serves span fetches."""
+    message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HEADER, "id": xfer}
+    if stage is not None:
+        message["stage"] = stage
+    return pack(message)
 
 
 def decode_header(message: dict[str, Any]) -> Header:

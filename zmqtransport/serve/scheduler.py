@@ -51,6 +51,13 @@ class Transfer:
     started: float
     last_progress: float  # when credit last arrived, libzmq last released a frame, or it started
     next_seq: int = 0
+    stop: int = -1  # one past the last data message to send; -1: the whole plan
+    span: bool = False  # a span fetch (part of a striped receive): no header was sent
+
+    def __post_init__(self) -> None:
+        self.first = self.next_seq
+        if self.stop < 0:
+            self.stop = self.staged.messages
 
     @property
     def key(self) -> Key:
@@ -58,7 +65,7 @@ class Transfer:
 
     @property
     def done(self) -> bool:
-        return self.next_seq >= self.staged.messages
+        return self.next_seq >= self.stop
 
     @property
     def sendable(self) -> bool:
@@ -112,6 +119,7 @@ class SendHeader:
     header_body: bytes
     header_only: bool  # the receiver asked for the header alone: send ``end`` right after it
     parked: Parked | None  # the parked request this starts, if any
+    stage_id: int | None = None  # the staging's id (announces that span fetches are served)
 
     @property
     def key(self) -> Key:
@@ -288,7 +296,9 @@ class Scheduler:
         refusal = self._refusal(peer, request, staged, parked)
         if refusal is not None:
             return [refusal]
-        header = SendHeader(peer, request.xfer, staged.header_body, request.header_only, parked)
+        if request.span is not None:
+            return self._start_span(peer, request, address, now, staged)
+        header = SendHeader(peer, request.xfer, staged.header_body, request.header_only, parked, staged.stage_id)
         if request.header_only:
             return [header]
         transfer = Transfer(peer, request.xfer, staged, request.credit, address, started=now, last_progress=now)
@@ -298,6 +308,14 @@ class Scheduler:
             return [header, Finish(transfer, 0.0)]
         return [header]
 
+    def _start_span(self, peer: bytes, request: wire.Request, address: str, now: float, staged: Staged) -> list[Action]:
+        """A span fetch: its data messages, then ``end``; no header (the receiver has it)."""
+        assert request.span is not None
+        first, stop = request.span
+        transfer = Transfer(peer, request.xfer, staged, request.credit, address, now, now, first, stop, span=True)
+        self.transfers[transfer.key] = transfer
+        return []
+
     def _refusal(self, peer: bytes, request: wire.Request, staged: Staged, parked: Parked | None) -> Refuse | None:
         code, message = self._refusal_reason(peer, request, staged)
         return None if code is None else Refuse(peer, request.xfer, code, message, parked)
@@ -305,6 +323,11 @@ class Scheduler:
     def _refusal_reason(self, peer: bytes, request: wire.Request, staged: Staged) -> tuple[str | None, str]:
         if request.step != staged.step:
             return wire.ERR_WRONG_STEP, f"requested step {request.step} but this peer serves step {staged.step}"
+        if request.span is not None:
+            if request.stage != staged.stage_id:
+                return wire.ERR_WRONG_STEP, f"step {staged.step} was staged again since the header was sent"
+            if request.span[1] > staged.messages:
+                return wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the {staged.messages} data messages"
         if staged.tree.has_pickle and not request.accept_pickle:
             message = f"step {staged.step} holds pickled objects and the receiver does not accept pickle"
             return wire.ERR_PICKLE, message
