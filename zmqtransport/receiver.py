@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, liveness, paths, wire
+from . import buffers, landing, liveness, paths, striped, wire
 from .codec import dtensor
 from .codec.paths import format_path
 from .codec.skeleton import build_tree
@@ -54,6 +54,15 @@ class FetchOptions:
     prefault_threads: int = 2  # threads faulting fresh storage in ahead of the data
     # Fail a transfer whose source sends nothing for this long (seconds; None: only the timeout).
     stall_timeout: float | None = None
+    # Connections per receive (docs/protocol.md, "Spans"): None, one per path
+    # the source advertises; 1, a single connection as before spans existed.
+    streams: int | None = None
+
+    def striped(self, address: PeerAddress) -> bool:
+        """Whether a receive from ``address`` stripes its data over several connections."""
+        if self.streams is None:
+            return bool(address.more_paths)
+        return self.streams > 1
 
 
 # ----------------------------------------------------------------------------- executing a landing plan
@@ -199,6 +208,10 @@ class _Receiver:
         self.xfer = random.getrandbits(63)
         self.stats = TransferStats(peer=address.endpoint, step=step)
         self.parsed: landing.ParsedHeader | None = None  # set once the header is validated
+        self.stage: int | None = None  # the staging's id, from a sender that serves span fetches
+        self.spare: list[paths.Candidate] = []  # further paths' DEALERs kept for a striped receive
+        self.extra: list[paths.Candidate] = []  # further connections opened for a striped receive
+        self.path = address.paths[0]  # the path of self.socket
         self.bounce_bytes = 0  # size of each pinned bounce buffer (device receives only)
         # Closed again if configuring it fails (a bad key, say): a socket left
         # open would make the transport's shutdown wait forever in Context.term().
@@ -285,8 +298,11 @@ class _Receiver:
 
     # ----------------------------------------------------------------- phases
 
-    def _connect(self) -> None:
-        """Connect to the only path, or to the most preferred of several that connects (:mod:`zmqtransport.paths`)."""
+    def _connect(self, keep: bool) -> None:
+        """Connect to the only path, or to the most preferred of several that connects (:mod:`zmqtransport.paths`).
+
+        ``keep``: a striped receive keeps the other paths' DEALERs in :attr:`spare`.
+        """
         if not self.address.more_paths:
             self.socket.connect(self.endpoint)
             return
@@ -298,18 +314,22 @@ class _Receiver:
             for candidate in candidates[1:]:
                 candidate.close()
             raise
-        winner, tried = paths.connect_first(candidates, self.deadline)
+        winner, self.spare, tried = paths.connect_first(candidates, self.deadline, keep=keep)
         if winner is None:
             raise TimeoutError(
                 f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for a connection to "
                 f"{self._peer(at=False)} (step {self.step}); paths tried: {tried}"
             )
         self.socket, self.source, self.endpoint = winner.socket, winner.watch, winner.path.endpoint
+        self.path = winner.path
         self.stats.peer = self.endpoint
         logger.debug("%s: using path %s of %s", self._peer(at=False), self.endpoint, tried)
 
-    def request(self, header_only: bool = False) -> None:
-        self._connect()
+    def request(self, header_only: bool = False, keep_paths: bool = False) -> None:
+        self._connect(keep_paths)
+        self.send_request(header_only)
+
+    def send_request(self, header_only: bool = False) -> None:
         wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
         request = wire.fetch_request(
             self.xfer, self.step, wait_ms, self.options.window, self.options.allow_pickle, header_only
@@ -320,6 +340,10 @@ class _Receiver:
         message = self._recv_envelope("the checkpoint header")
         if message["op"] != wire.OP_HEADER or not self._more():
             raise ProtocolError(f"expected a header, got {message['op']!r}")
+        stage = message.get("stage")
+        if stage is not None and (type(stage) is not int or not 0 <= stage < 2**64):
+            raise ProtocolError(f"header field 'stage' must be an unsigned 64-bit integer, got {stage!r}")
+        self.stage = stage
         body = self.socket.recv()
         self._expect_no_more("the header")
         header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
@@ -343,14 +367,7 @@ class _Receiver:
             message = self._recv_envelope(f"data message {seq} of {len(chunks)}", in_transfer=True)
             if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
                 raise ProtocolError(f"expected data message {seq}, got {message.get('op')!r} {message.get('seq')!r}")
-            bounced = unstager is not None and unstager.wants(pieces)
-            payload = self._receive_payload(seq, pieces, landed, unstager if bounced else None)
-            self._expect_no_more(f"data message {seq}")
-            if header.checksum is not None and message.get("crc") != zlib.crc32(payload):
-                assert self.parsed is not None  # data only follows a validated header
-                raise _integrity_error(self.parsed, seq, pieces, self.endpoint, self.step)
-            if unstager is not None and bounced:
-                unstager.deliver(pieces)
+            payload = self.land_message(self.socket, seq, message, landed, unstager, pieces)
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < len(chunks):
                 self.socket.send(wire.credit_request(self.xfer, unacknowledged))
@@ -363,8 +380,40 @@ class _Receiver:
                 progress(done, header.total_bytes)
         self.receive_end()
 
+    def land_message(
+        self,
+        socket: zmq.Socket[Any],
+        seq: int,
+        envelope: dict[str, Any],
+        landed: Landed,
+        unstager: RecvUnstager | None,
+        pieces: list[wire.Piece],
+    ) -> memoryview:
+        """Receive data message ``seq``'s payload (after ``envelope``) on ``socket`` where it belongs.
+
+        Checks its size and checksum and queues its copies to device memory;
+        returns the bytes received. Used by one stream or several (striped).
+        """
+        bounced = unstager is not None and unstager.wants(pieces)
+        payload = self._receive_payload(socket, seq, pieces, landed, unstager if bounced else None)
+        if socket.getsockopt(zmq.RCVMORE):
+            while socket.getsockopt(zmq.RCVMORE):
+                socket.recv()
+            raise ProtocolError(f"data message {seq} carries unexpected extra frames")
+        assert self.parsed is not None  # data only follows a validated header
+        if self.parsed.header.checksum is not None and envelope.get("crc") != zlib.crc32(payload):
+            raise _integrity_error(self.parsed, seq, pieces, self.endpoint, self.step)
+        if unstager is not None and bounced:
+            unstager.deliver(pieces)
+        return payload
+
     def _receive_payload(
-        self, seq: int, pieces: list[wire.Piece], landed: Landed, unstager: RecvUnstager | None
+        self,
+        socket: zmq.Socket[Any],
+        seq: int,
+        pieces: list[wire.Piece],
+        landed: Landed,
+        unstager: RecvUnstager | None,
     ) -> memoryview:
         """Receive data message ``seq``'s payload where it belongs; return the bytes received."""
         what = f"data message {seq}"
@@ -372,17 +421,17 @@ class _Receiver:
         if unstager is not None:
             # Device memory: into a pinned bounce buffer; its copies to the
             # device are queued after the checksum and overlap the next frames.
-            return recv_exact(self.socket, unstager.buffer(expected, self.bounce_bytes), what, expected)
+            return recv_exact(socket, unstager.buffer(expected, self.bounce_bytes), what, expected)
         destinations = landed.destinations
         if len(pieces) == 1:
             piece = pieces[0]
             view = destinations[piece.storage].view[piece.start : piece.start + piece.length]
-            return recv_exact(self.socket, view, what, expected)
+            return recv_exact(socket, view, what, expected)
         run = landed.arena_run(pieces)
         if run is not None:
             # Packed storages that lie back to back in the arena: straight into place.
-            return recv_exact(self.socket, run, what, expected)
-        payload = recv_exact(self.socket, None, what, expected)
+            return recv_exact(socket, run, what, expected)
+        payload = recv_exact(socket, None, what, expected)
         at = 0
         for piece in pieces:
             destinations[piece.storage].view[: piece.length] = payload[at : at + piece.length]
@@ -395,11 +444,74 @@ class _Receiver:
             raise ProtocolError(f"expected the end marker, got {message['op']!r}")
         self._expect_no_more("the end marker")
 
+    def fall_back_to_one_stream(self) -> None:
+        """The source serves no span fetches: drop the other paths, fetch everything on this connection."""
+        for candidate in self.spare:
+            candidate.close()
+        self.spare = []
+        self.xfer = random.getrandbits(63)
+        self.send_request()
+
+    def receive_striped(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None) -> None:
+        """Receive every data message over several connections (:mod:`zmqtransport.striped`)."""
+        chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        if unstager is not None:
+            self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
+        assert self.stage is not None  # only a sender that serves spans gets here
+        request = striped.Request(
+            self.step, self.stage, self.options.allow_pickle, self.deadline, self.options.stall_timeout
+        )
+
+        def land_one(socket: zmq.Socket[Any], seq: int, envelope: dict[str, Any]) -> memoryview:
+            return self.land_message(socket, seq, envelope, landed, unstager, chunks[seq])
+
+        def landed_prefix(nbytes: int) -> None:
+            if landed.prefaulter is not None:
+                landed.prefaulter.received = nbytes  # its workers skip what the data has reached
+
+        streams = self._open_streams()
+        run = striped.StripedReceive(
+            streams, chunks, request, land_one, striped.span_messages(header.chunk_bytes), self.options.progress
+        )
+        try:
+            run.run(landed_prefix)
+        finally:
+            self.stats.streams = len(streams)
+            self.stats.messages = sum(stream.messages for stream in streams)
+            self.stats.duplicate_messages = run.duplicates
+            for stream in streams:
+                if stream.bytes:
+                    endpoint = stream.path.endpoint
+                    self.stats.paths[endpoint] = self.stats.paths.get(endpoint, 0) + stream.bytes
+
+    def _open_streams(self) -> list[striped.Stream]:
+        """This receive's connections: the header's, the other paths' kept ones, and more up to ``streams``."""
+        candidates = [paths.Candidate(self.path, self.socket, self.source), *self.spare]
+        count = self.options.streams if self.options.streams is not None else len(candidates)
+        for candidate in candidates[count:]:
+            candidate.close()
+        candidates = candidates[:count]
+        now = time.monotonic()
+        for candidate in candidates:
+            candidate.watch.read_events(now)
+        # More connections than paths: spread over the paths that are up, most preferred first.
+        targets = [c.path for c in candidates if c.watch.state.established] or [self.path]
+        for extra in range(count - len(candidates)):
+            path = targets[extra % len(targets)]
+            candidate = paths.open_candidate(self.context, path, self._configure, self.options.stall_timeout, False)
+            self.extra.append(candidate)
+            candidate.socket.connect(path.endpoint)
+            candidates.append(candidate)
+        self.spare = candidates[1:]
+        return [striped.Stream(c.path, c.socket, c.watch) for c in candidates]
+
     def cancel(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
 
     def close(self) -> None:
+        for candidate in (*self.spare, *self.extra):
+            candidate.close()
         self.source.close()
         self.socket.close(linger=0)
 
@@ -523,15 +635,27 @@ def _fetch(
     started = time.monotonic()
     landed: Landed | None = None
     try:
-        receiver.request()
+        stripe = options.striped(address)
+        # A striped receive asks for the header alone, then for spans on every connection.
+        receiver.request(header_only=stripe, keep_paths=stripe)
         parsed = receiver.receive_header()
+        if stripe:
+            receiver.receive_end()
+            if receiver.stage is None:
+                # A sender from before span fetches: one connection, as it expects.
+                stripe = False
+                receiver.fall_back_to_one_stream()
+                parsed = receiver.receive_header()
         receiver.stats.header_seconds = time.monotonic() - started
         # Refused (absurd sizes) before anything is allocated.
         plan = landing.plan_landing(parsed, targets, _landing_options(options))
         landed = land(plan, options.prefault_threads)
         unstager = RecvUnstager.borrow(options.staging, landed.destinations)
         try:
-            receiver.receive_data(parsed.header, landed, unstager)
+            if stripe:
+                receiver.receive_striped(parsed.header, landed, unstager)
+            else:
+                receiver.receive_data(parsed.header, landed, unstager)
         finally:
             if unstager is not None:
                 # Every copy to the device has landed (or, on error, stopped)
@@ -549,6 +673,8 @@ def _fetch(
     stats = receiver.stats
     stats.seconds = time.monotonic() - started
     stats.bytes = parsed.header.total_bytes
+    if not stats.paths:
+        stats.paths = {receiver.endpoint: stats.bytes}
     stats.in_place_bytes = sum(
         n for n, d in zip(parsed.header.storages, landed.destinations, strict=True) if d.in_place is not None
     )

@@ -57,7 +57,8 @@ class Outbox:
         for action in actions:
             match action:
                 case SendHeader():
-                    if not self._router.send(action.peer, [wire.header_envelope(action.xfer, action.stage_id), action.header_body]):
+                    envelope = wire.header_envelope(action.xfer, action.stage_id)
+                    if not self._router.send(action.peer, [envelope, action.header_body]):
                         undelivered.add(action.key)
                         self._scheduler.undelivered(action, time.monotonic())
                     elif action.header_only:
