@@ -27,13 +27,13 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, liveness, paths, striped, wire
+from . import buffers, landing, liveness, paths, relaying, striped, wire
 from .codec import dtensor
 from .codec.paths import format_path
 from .codec.skeleton import build_tree
 from .device import CPU, DeviceStaging, RecvUnstager, fresh_storage, tensor_bytes
 from .errors import ConnectionLostError, IntegrityError, ProtocolError, RemoteError, StalledError
-from .net import PeerAddress
+from .net import PeerAddress, parse_metadata
 from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,17 @@ class FetchOptions:
     # Connections per receive (docs/protocol.md, "Spans"): None, one per path
     # the source advertises; 1, a single connection as before spans existed.
     streams: int | None = None
+    # Relaying (docs/protocol.md, "Relays"): where this receiver serves (its
+    # transport's metadata; None: it does not relay), its server, and the
+    # socket options for fetching from a relay the source names.
+    relay_at: str | None = None
+    relay_host: relaying.RelayHost | None = None
+    configure_for: Callable[[PeerAddress], Callable[[zmq.Socket[Any]], None] | None] | None = None
 
     def striped(self, address: PeerAddress) -> bool:
-        """Whether a receive from ``address`` stripes its data over several connections."""
+        """Whether a receive from ``address`` fetches its data in spans (several connections, or relaying)."""
+        if self.relay_at is not None:
+            return True
         if self.streams is None:
             return bool(address.more_paths)
         return self.streams > 1
@@ -209,6 +217,8 @@ class _Receiver:
         self.stats = TransferStats(peer=address.endpoint, step=step)
         self.parsed: landing.ParsedHeader | None = None  # set once the header is validated
         self.stage: int | None = None  # the staging's id, from a sender that serves span fetches
+        self.relay_order: wire.RelayOrder | None = None  # what the source said about relaying
+        self.duty: relaying.RelayDuty | None = None  # serving what lands to the downstream
         self.spare: list[paths.Candidate] = []  # further paths' DEALERs kept for a striped receive
         self.extra: list[paths.Candidate] = []  # further connections opened for a striped receive
         self.path = address.paths[0]  # the path of self.socket
@@ -220,7 +230,7 @@ class _Receiver:
         first = paths.open_candidate(context, address.paths[0], self._configure, options.stall_timeout, racing)
         self.socket, self.source = first.socket, first.watch
 
-    def _configure(self, sock: zmq.Socket[Any]) -> None:
+    def _configure(self, sock: zmq.Socket[Any], peer_options: bool = True) -> None:
         sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
         # An explicit routing id survives a reconnect, so a sender that had to
@@ -228,8 +238,8 @@ class _Receiver:
         # answer a request it parked before. Ids must not start with a zero byte.
         sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
         liveness.configure_heartbeats(sock, self.options.stall_timeout)
-        if self.options.configure is not None:
-            self.options.configure(sock)
+        if peer_options and self.options.configure is not None:
+            self.options.configure(sock)  # the source's (CurveZMQ server key)
 
     # ----------------------------------------------------------------- socket helpers
 
@@ -332,7 +342,13 @@ class _Receiver:
     def send_request(self, header_only: bool = False) -> None:
         wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
         request = wire.fetch_request(
-            self.xfer, self.step, wait_ms, self.options.window, self.options.allow_pickle, header_only
+            self.xfer,
+            self.step,
+            wait_ms,
+            self.options.window,
+            self.options.allow_pickle,
+            header_only,
+            relay=self.options.relay_at if header_only else None,
         )
         self.socket.send(request)
 
@@ -344,6 +360,7 @@ class _Receiver:
         if stage is not None and (type(stage) is not int or not 0 <= stage < 2**64):
             raise ProtocolError(f"header field 'stage' must be an unsigned 64-bit integer, got {stage!r}")
         self.stage = stage
+        self.relay_order = wire.decode_relay_order(message.get("relay")) if self.options.relay_at else None
         body = self.socket.recv()
         self._expect_no_more("the header")
         header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
@@ -453,7 +470,7 @@ class _Receiver:
         self.send_request()
 
     def receive_striped(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None) -> None:
-        """Receive every data message over several connections (:mod:`zmqtransport.striped`)."""
+        """Receive every data message in spans (:mod:`zmqtransport.striped`), relaying if the source said so."""
         chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
         if unstager is not None:
             self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
@@ -461,28 +478,42 @@ class _Receiver:
         request = striped.Request(
             self.step, self.stage, self.options.allow_pickle, self.deadline, self.options.stall_timeout
         )
-
-        def land_one(socket: zmq.Socket[Any], seq: int, envelope: dict[str, Any]) -> memoryview:
-            return self.land_message(socket, seq, envelope, landed, unstager, chunks[seq])
-
-        def landed_prefix(nbytes: int) -> None:
-            if landed.prefaulter is not None:
-                landed.prefaulter.received = nbytes  # its workers skip what the data has reached
-
+        duty = self.duty
+        if duty is not None:
+            duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
+            if duty.stopped:
+                duty = None
         streams = self._open_streams()
         run = striped.StripedReceive(
-            streams, chunks, request, land_one, striped.span_messages(header.chunk_bytes), self.options.progress
+            streams,
+            chunks,
+            request,
+            lambda socket, seq, envelope: self.land_message(socket, seq, envelope, landed, unstager, chunks[seq]),
+            striped.span_messages(header.chunk_bytes),
+            self.options.progress,
         )
+
+        def on_landed(seq: int, crc: int | None) -> None:
+            if landed.prefaulter is not None:
+                landed.prefaulter.received = run.prefix_bytes()  # its workers skip what the data has reached
+            if duty is not None:
+                duty.landed(seq, crc)
+
         try:
-            run.run(landed_prefix)
+            run.run(on_landed)
+            if duty is not None:
+                duty.finish()
         finally:
-            self.stats.streams = len(streams)
-            self.stats.messages = sum(stream.messages for stream in streams)
-            self.stats.duplicate_messages = run.duplicates
-            for stream in streams:
-                if stream.bytes:
-                    endpoint = stream.path.endpoint
-                    self.stats.paths[endpoint] = self.stats.paths.get(endpoint, 0) + stream.bytes
+            self._record(streams, run)
+
+    def _record(self, streams: list[striped.Stream], run: striped.StripedReceive) -> None:
+        self.stats.streams = len(streams)
+        self.stats.messages = sum(stream.messages for stream in streams)
+        self.stats.duplicate_messages = run.duplicates
+        for stream in streams:
+            if stream.bytes:
+                endpoint = stream.path.endpoint
+                self.stats.paths[endpoint] = self.stats.paths.get(endpoint, 0) + stream.bytes
 
     def _open_streams(self) -> list[striped.Stream]:
         """This receive's connections: the header's, the other paths' kept ones, and more up to ``streams``."""
@@ -503,13 +534,52 @@ class _Receiver:
             candidate.socket.connect(path.endpoint)
             candidates.append(candidate)
         self.spare = candidates[1:]
-        return [striped.Stream(c.path, c.socket, c.watch) for c in candidates]
+        streams = [striped.Stream(c.path, c.socket, c.watch) for c in candidates]
+        order = self.relay_order
+        if order is not None and order.upstream is not None:
+            # Fetch from the relay the source named; the source's connections stand by.
+            for stream in streams:
+                stream.standby = True
+            streams[:0] = self._open_relay_streams(order)
+        return streams
+
+    def _open_relay_streams(self, order: wire.RelayOrder) -> list[striped.Stream]:
+        """One connection per path of the upstream relay, showing the token the source gave for it."""
+        assert order.upstream is not None
+        try:
+            upstream = parse_metadata(order.upstream)
+        except ValueError as exc:
+            raise ProtocolError(f"the source named a relay with malformed metadata: {exc}") from None
+        configure_for = self.options.configure_for
+        extra_options = configure_for(upstream) if configure_for is not None else None
+
+        def configure(sock: zmq.Socket[Any]) -> None:
+            self._configure(sock, peer_options=False)
+            if extra_options is not None:
+                extra_options(sock)
+
+        streams = []
+        for path in upstream.paths:
+            candidate = paths.open_candidate(self.context, path, configure, self.options.stall_timeout, False)
+            self.extra.append(candidate)
+            candidate.socket.connect(path.endpoint)
+            streams.append(striped.Stream(path, candidate.socket, candidate.watch, token=order.upstream_token))
+        return streams
 
     def cancel(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
 
+    def start_relaying(self, header: wire.Header) -> None:
+        """Register as a relay as soon as the header is here, if the source asked (see :mod:`.relaying`)."""
+        if self.stage is None or self.relay_order is None:
+            return
+        chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        self.duty = relaying.RelayDuty.start(self.options.relay_host, self.relay_order, self.step, self.stage, chunks)
+
     def close(self) -> None:
+        if self.duty is not None:
+            self.duty.stop()  # before anything is handed to the caller, whatever happened
         for candidate in (*self.spare, *self.extra):
             candidate.close()
         self.source.close()
@@ -646,6 +716,7 @@ def _fetch(
                 stripe = False
                 receiver.fall_back_to_one_stream()
                 parsed = receiver.receive_header()
+            receiver.start_relaying(parsed.header)
         receiver.stats.header_seconds = time.monotonic() - started
         # Refused (absurd sizes) before anything is allocated.
         plan = landing.plan_landing(parsed, targets, _landing_options(options))

@@ -57,7 +57,7 @@ class Outbox:
         for action in actions:
             match action:
                 case SendHeader():
-                    envelope = wire.header_envelope(action.xfer, action.stage_id)
+                    envelope = wire.header_envelope(action.xfer, action.stage_id, action.relay)
                     if not self._router.send(action.peer, [envelope, action.header_body]):
                         undelivered.add(action.key)
                         self._scheduler.undelivered(action, time.monotonic())
@@ -105,7 +105,7 @@ def _served(transfer: Transfer, seconds: float) -> TransferStats:
         peer=transfer.address,
         step=staged.step,
         bytes=nbytes,
-        tensors=len(staged.tree.tensors),
+        tensors=staged.tensor_count,
         messages=messages,
         seconds=seconds,
     )
