@@ -69,7 +69,9 @@ class Outbox:
                         self._scheduler.undelivered(action, time.monotonic())
                 case Abort(transfer, code, message):
                     step, address = transfer.staged.step, transfer.address
-                    logger.warning("aborting transfer of step %d to %s: %s", step, address, message)
+                    # A relay that stops is routine (its downstream turns to the source).
+                    level = logging.INFO if code == wire.ERR_NOT_RELAYING else logging.WARNING
+                    logger.log(level, "aborting transfer of step %d to %s: %s", step, address, message)
                     self._router.send(transfer.peer, [wire.error_reply(transfer.xfer, code, message)])
                 case Finish(transfer, seconds):
                     if transfer.key not in undelivered:

@@ -45,6 +45,8 @@ class Chain:
 
     def join(self, peer: bytes, at: str, token: bytes) -> wire.RelayOrder:
         """A receiver offered to relay: where it fetches from (the newest member), and its own token."""
+        # A receiver asking again (a retry on the same connection) rejoins at the end, never after itself.
+        self.left(peer)
         upstream = self.members[-1] if self.members else None
         self.members.append(Member(peer, at, token))
         del self.members[:-MAX_MEMBERS]
