@@ -11,6 +11,8 @@ import http.server
 import logging
 import os
 import resource
+import signal
+import threading
 import time
 import traceback
 import warnings
@@ -20,7 +22,7 @@ from typing import Any
 
 from ..lab import enter_namespace
 from .config import Knobs, Scenario
-from .methods import METHODS, Place, Receiving, RecvEnv, SendEnv, Serving
+from .methods import METHODS, Place, Receiving, RecvEnv, SendEnv, Serving, ZmqMethod
 from .payload import PeakMeter, check, make_tensors, release_free_memory, stamp, state_dict_of
 
 
@@ -120,6 +122,21 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _die_past(fraction: float) -> Callable[[int, int], None]:
+    """A progress callback that SIGKILLs this process once ``fraction`` of the bytes have landed."""
+
+    def progress(done: int, total: int) -> None:
+        if done >= fraction * total:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return progress
+
+
+def _one_link_ideal_s(scenario: Scenario) -> float:
+    rate_mbit = scenario.lab.rate_mbit if scenario.lab is not None else 1e4
+    return scenario.total_bytes / (rate_mbit * 1e6 / 8)
+
+
 class ReceiverProcess:
     """One fresh process, one method: builds its receiving side, then times its receives."""
 
@@ -131,6 +148,7 @@ class ReceiverProcess:
         self.sizes = scenario.tensor_sizes
         self.targets: list[Any] = []
         self.receiving: Receiving | None = None
+        self.kill_timer_s: float | None = None  # the victim of a Kill, for a method without progress
 
     def setup(self, method: str, metadata: str, step: int) -> None:
         """Untimed: the recovering model's own tensors (touched) and the method's receiver."""
@@ -138,11 +156,22 @@ class ReceiverProcess:
         if chosen.into_targets:
             self.targets = make_tensors(self.sizes, -1.0)
         world = self.scenario.receivers + 1
-        env = RecvEnv(self.sizes, self.targets, self.knobs, self.place, self.rank, world, metadata, step)
+        progress = None
+        kill = self.scenario.kill
+        if kill is not None and kill.rank == self.rank:
+            if isinstance(chosen, ZmqMethod):
+                progress = _die_past(kill.at_fraction)
+            else:
+                self.kill_timer_s = kill.at_fraction * _one_link_ideal_s(self.scenario)
+        env = RecvEnv(self.sizes, self.targets, self.knobs, self.place, self.rank, world, metadata, step, progress)
         self.receiving = chosen.receiver(env)
 
     def go(self, step: int, receives: int) -> list[dict[str, Any]]:
         """Time ``receives`` receives of ``step``, the first one cold; verify each."""
+        if self.kill_timer_s is not None:
+            timer = threading.Timer(self.kill_timer_s, os.kill, (os.getpid(), signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
         return [self._receive_once(step) for _ in range(receives)]
 
     def _receive_once(self, step: int) -> dict[str, Any]:

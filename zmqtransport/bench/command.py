@@ -14,6 +14,7 @@ from .config import (
     LAB_PRESETS,
     LOOPBACK_PRESETS,
     PRESETS,
+    RELAY_PRESETS,
     Knobs,
     LabSpec,
     Scenario,
@@ -23,6 +24,7 @@ from .config import (
     torchft_available,
 )
 from .methods import METHODS, NUMPY, TORCHFT, VARIANTS
+from .relayreport import format_paths_detail, format_relay_summary
 from .report import format_result, format_targets, machine_description, to_json
 from .runner import BenchError, ScenarioResult, run_scenario
 from .targets import evaluate_targets
@@ -71,6 +73,11 @@ def _add_transport_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="transport timeout, seconds")
     parser.add_argument("--no-verify", action="store_true", help="skip the content check after each receive")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    parser.add_argument(
+        "--detail",
+        action="store_true",
+        help="also print, per trial and receiver, from whom it received how many bytes (ZMQTransport's stats.paths)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scenario",
         action="append",
-        choices=[*PRESETS, "all", "lab"],
-        help="a preset (repeatable; 'all': every loopback preset; 'lab': every lab preset); sizes below override it",
+        choices=[*PRESETS, "all", "lab", "relay"],
+        help="a preset (repeatable; 'all': every loopback preset; 'lab': every lab preset; 'relay': issue 13's "
+        "lab rows and the one-receiver row they compare with); sizes below override it",
     )
     parser.add_argument("--lab", action="store_true", help="run the lab presets (same as --scenario lab)")
     parser.add_argument("--rate", type=float, help="lab link rate, Mbit/s per NIC and direction (default 400)")
@@ -104,8 +112,9 @@ def available_requirements() -> frozenset[str]:
 
 def _chosen_presets(args: argparse.Namespace) -> list[str]:
     names: list[str] = []
+    groups = {"all": LOOPBACK_PRESETS, "lab": LAB_PRESETS, "relay": RELAY_PRESETS}
     for name in args.scenario or []:
-        names += list(LOOPBACK_PRESETS if name == "all" else LAB_PRESETS if name == "lab" else [name])
+        names += list(groups.get(name, [name]))
     if args.lab:
         names += list(LAB_PRESETS)
     return list(dict.fromkeys(names))
@@ -181,7 +190,15 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit("--rate must be positive")
 
 
-def _print_tables(results: Sequence[ScenarioResult], argv: Sequence[str]) -> None:
+def _print_relays(results: Sequence[ScenarioResult], detail: bool) -> None:
+    """Issue 13's table (several receivers against one) and, with ``--detail``, who sent what to whom."""
+    for text in (format_relay_summary(results), format_paths_detail(results) if detail else ""):
+        if text:
+            print()
+            print(text)
+
+
+def _print_tables(results: Sequence[ScenarioResult], argv: Sequence[str], detail: bool = False) -> None:
     machine = machine_description()
     print(
         f"machine: {machine['cpus']} x {machine['cpu_model']}, {machine['memory_gib']} GiB, "
@@ -195,6 +212,7 @@ def _print_tables(results: Sequence[ScenarioResult], argv: Sequence[str]) -> Non
     for result in results:
         print()
         print(format_result(result))
+    _print_relays(results, detail)
     targets = evaluate_targets(results)
     if targets:
         print()
@@ -236,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(to_json(results, knobs, argv), indent=2))
     else:
-        _print_tables(results, argv)
+        _print_tables(results, argv, args.detail)
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 DEFAULT_SETTLE_S = 3.0
@@ -18,6 +18,22 @@ class LabSpec:
 
     nics: int = 1
     rate_mbit: float = DEFAULT_RATE_MBIT
+
+
+@dataclass(frozen=True)
+class Kill:
+    """A receiver SIGKILLed mid-transfer (issue 13: a relay that dies).
+
+    Receiver ``rank`` starts ``lead_s`` before the others, so that it is the
+    first of the source's relay chain and the others depend on it, and kills
+    itself once it has received ``at_fraction`` of the state (ZMQTransport's
+    progress callback; other methods: that fraction of the one-link ideal
+    time into its receive).
+    """
+
+    rank: int = 1
+    at_fraction: float = 0.4
+    lead_s: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,7 @@ class Scenario:
     # Also time a second receive in the same receiver process (the warm column).
     warm: bool = False
     lab: LabSpec | None = None
+    kill: Kill | None = None
 
     @property
     def tensor_sizes(self) -> list[int]:
@@ -124,7 +141,24 @@ def _presets() -> dict[str, Scenario]:
     }
 
 
-PRESETS = _presets()
+def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
+    """Issue 13 (relays): ZMQTransport(relay=False) beside the three-receiver row; seven receivers; a relay killed."""
+    mib = 1 << 20
+    relay_methods = ("zmq-fresh", "zmq-norelay", "http-4")
+    rows = dict(presets)
+    three = rows["lab-1to3"]
+    rows["lab-1to3"] = replace(three, methods=(*three.methods, "zmq-norelay"))
+    seven = Scenario("lab-1to7", 64 * mib, 4 * mib, receivers=7, methods=relay_methods, reps=3, lab=LabSpec())
+    rows["lab-1to7"] = seven
+    rows["lab-kill"] = Scenario(
+        "lab-kill", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(), kill=Kill()
+    )
+    return rows
+
+
+PRESETS = _with_relay_rows(_presets())
+# Issue 13's rows and the one-receiver time they are compared with: ``--scenario relay``.
+RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill")
 LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)
 LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None)
 

@@ -18,6 +18,7 @@ import socket
 import threading
 import traceback
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -78,6 +79,8 @@ class RecvEnv:
     world: int
     metadata: str
     step: int  # the step this trial stages (PGTransport names its group after it)
+    # ZMQTransport's progress callback (issue 13's killed relay uses it); others ignore it.
+    progress: Callable[[int, int], None] | None = None
     target_views: list[memoryview] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -340,6 +343,7 @@ class ZmqMethod:
     anchor: bool = False
     requires: frozenset[str] = frozenset()
     streams: int | None = None
+    relay: bool = True  # the receiver's option (issue 13); False: fetch from the source only
 
     def _transport(self, env: SendEnv | RecvEnv, **extra: Any) -> ZMQTransport[Any]:
         hosts = env.place.hosts
@@ -352,6 +356,10 @@ class ZmqMethod:
 
     def receiver(self, env: RecvEnv) -> Receiving:
         extra: dict[str, Any] = {} if self.streams is None else {"streams": self.streams}
+        if not self.relay:
+            extra["relay"] = False
+        if env.progress is not None:
+            extra["progress"] = env.progress
         if self.into_targets:
             state = env.target_state
             extra["state_dict"] = lambda: state
@@ -512,6 +520,7 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-fresh", into_targets=False),
         ZmqMethod("zmq-inplace-1s", into_targets=True, streams=1),
         ZmqMethod("zmq-inplace-4s", into_targets=True, streams=4),
+        ZmqMethod("zmq-norelay", into_targets=False, relay=False),
         CutMethod("zmq-inplace-cut", ZmqMethod("zmq-inplace", into_targets=True)),
         HttpMethod("http", chunks=0),
         HttpMethod("http-4", chunks=4),
@@ -521,4 +530,4 @@ METHODS: dict[str, Method] = {
 }
 
 # Variants of a method (another option, a fault): run only where named (a preset, --methods).
-VARIANTS = frozenset({"zmq-inplace-1s", "zmq-inplace-4s", "zmq-inplace-cut"})
+VARIANTS = frozenset({"zmq-inplace-1s", "zmq-inplace-4s", "zmq-inplace-cut", "zmq-norelay"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
 import statistics
 import threading
 import time
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 from ..lab import Lab
 from .children import receiver_main, sender_main
-from .config import Knobs, Scenario
+from .config import Kill, Knobs, Scenario
 from .methods import METHODS, CutMethod, Place
 
 
@@ -104,6 +105,45 @@ class _Child:
             self.process.join(5.0)
 
 
+def _go(
+    receivers: Sequence[_Child], timeout: float, step: int, receives: int, kill: Kill | None
+) -> list[list[Any] | None]:
+    """Start every receive and collect the outcomes; None for a receiver that was killed as planned.
+
+    With a :class:`Kill`, its victim starts ``lead_s`` before the others (first
+    in the source's relay chain) and must die of SIGKILL, or finish first.
+    """
+    if kill is None:
+        return list(_gather(receivers, timeout, "go", step, receives))
+    victim = receivers[kill.rank - 1]
+    victim.send("go", step, receives)
+    time.sleep(kill.lead_s)
+    others = [child for child in receivers if child is not victim]
+    for child in others:
+        child.send("go", step, receives)
+    replies: list[list[Any] | None] = []
+    for child in receivers:
+        if child is victim:
+            replies.append(_victim_reply(victim, timeout))
+        else:
+            replies.append(child.reply(timeout))
+    return replies
+
+
+def _victim_reply(victim: _Child, timeout: float) -> list[Any] | None:
+    """The victim's outcome if it finished before its kill, None if it died of SIGKILL."""
+    if victim.conn.poll(timeout):
+        with contextlib.suppress(EOFError):
+            status, value = victim.conn.recv()
+            if status != "ok":
+                raise BenchError(f"{victim.name} failed:\n{value}")
+            return list(value)
+    victim.process.join(5.0)
+    if victim.process.exitcode != -signal.SIGKILL:
+        raise BenchError(f"{victim.name} neither finished nor died of SIGKILL (exit code {victim.process.exitcode})")
+    return None
+
+
 def _gather(children: Sequence[_Child], timeout: float, *command: Any) -> list[Any]:
     for child in children:
         child.send(*command)
@@ -141,6 +181,7 @@ class Trial:
     recv_paths: list[dict[str, int]] = field(default_factory=list)  # per receiver: ZMQTransport's bytes per path
     duplicates: list[int] = field(default_factory=list)  # per receiver: data messages that came twice (dropped)
     cut_s: float | None = None  # a CutMethod's trial: when the link went down, seconds after the receives began
+    killed: list[int] = field(default_factory=list)  # ranks SIGKILLed mid-transfer (scenario.kill); lists skip them
 
 
 @dataclass
@@ -207,13 +248,16 @@ class _Run:
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
             with self._cut_link(method) as cut:
-                outcomes = _gather(receivers, timeout, "go", step, self.receives)
+                replies = _go(receivers, timeout, step, self.receives, scenario.kill)
             send_rss = self.sender.call(timeout, "finish", method)
             after = self.network.source_sent()
-            _gather(receivers, 30.0, "exit")
+            _gather([r for r, runs in zip(receivers, replies, strict=True) if runs is not None], 30.0, "exit")
         finally:
             for receiver in receivers:
                 receiver.stop()
+        # The survivors, in rank order (a killed receiver has no outcome).
+        outcomes = [runs for runs in replies if runs is not None]
+        killed = [rank for rank, runs in enumerate(replies, start=1) if runs is None]
         cold = [runs[0] for runs in outcomes]
         self.resettable = self.resettable and all(o["resettable"] for o in cold)
         return Trial(
@@ -230,6 +274,7 @@ class _Run:
             [o["paths"] for o in cold],
             [o["duplicates"] for o in cold],
             cut.at_s,
+            killed,
         )
 
     @contextlib.contextmanager

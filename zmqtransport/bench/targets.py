@@ -1,10 +1,11 @@
-"""The performance targets of issues 4, 12 and 16, checked wherever a run measured what they need."""
+"""The performance targets of issues 4, 12, 13 and 16, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .relayreport import RELAYING, relay_rows
 from .runner import ScenarioResult
 
 
@@ -23,8 +24,8 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issues 4, 12 and 16, wherever the run measured what they need."""
-    return _issue4_targets(results) + _issue12_targets(results) + _issue16_targets(results)
+    """The performance targets of issues 4, 12, 13 and 16, wherever the run measured what they need."""
+    return _issue4_targets(results) + _issue12_targets(results) + _issue13_targets(results) + _issue16_targets(results)
 
 
 # Issue 12 (several paths and streams, in the lab): (method, NICs per host, most seconds / one stream's seconds).
@@ -50,6 +51,29 @@ def _issue12_targets(results: Sequence[ScenarioResult]) -> list[Target]:
                 continue
             text = f"{method} seconds / {ONE_STREAM} (one NIC) seconds: {what}"
             targets.append(Target(result.scenario.name, text, entry.slowest_s / one.slowest_s, limit, False, 12))
+    return targets
+
+
+# Issue 13 (relays, in the lab): most slowest-receiver seconds / one-receiver seconds, by scenario shape.
+_SLOWEST_OVER_ONE = {"three": 1.3, "seven": 1.5, "killed": 2.0}
+_UPLOAD_OVER_STATE = 1.3  # three receivers: the source host's NIC bytes / state bytes
+
+
+def _issue13_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Several receivers in the lab against one receiver of the same run (relayreport.relay_rows)."""
+    targets: list[Target] = []
+    for row in relay_rows(results):
+        if row.method not in RELAYING:
+            continue
+        shape = "killed" if row.killed else "three" if row.receivers == 3 else "seven" if row.receivers == 7 else ""
+        if not shape:
+            continue
+        what = f"{row.receivers} receivers" + (f", {row.killed} relay SIGKILLed mid-transfer" if row.killed else "")
+        text = f"{row.method} slowest / one-receiver seconds ({what})"
+        targets.append(Target(row.scenario, text, row.times_one, _SLOWEST_OVER_ONE[shape], False, 13))
+        if shape == "three":
+            text = f"{row.method} source upload / state ({what})"
+            targets.append(Target(row.scenario, text, row.sent_over_state, _UPLOAD_OVER_STATE, False, 13))
     return targets
 
 
