@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -251,3 +252,88 @@ def test_lab_paths_scenario_stripes_and_survives_the_cut() -> None:
     assert len(summary["zmq-inplace-1s"]["recv_paths"]) == 1
     # The cut trial completed (its content was checked) and restored the link for the trials after it.
     assert sum(summary["zmq-inplace-cut"]["recv_paths"].values()) == 32 << 20
+
+
+def _relay_trial(method: str, seconds: list[float], paths: list[dict[str, int]], killed: list[int]) -> Any:
+    return bench.runner.Trial(
+        method,
+        0,
+        seconds,
+        [],
+        [0] * len(seconds),
+        0,
+        0.0,
+        [0] * len(seconds),
+        [64 << 20],
+        recv_paths=paths,
+        killed=killed,
+    )
+
+
+def _relay_result(name: str, receivers: int, times: dict[str, float], sent: float, kill: bool = False) -> Any:
+    from zmqtransport.bench.config import Kill, LabSpec, Scenario
+    from zmqtransport.bench.runner import ScenarioResult
+
+    scenario = Scenario(name, 64 << 20, 4 << 20, receivers=receivers, lab=LabSpec(), kill=Kill() if kill else None)
+    summary = {}
+    for method, seconds in times.items():
+        entry = _timed(method, seconds)
+        entry.source_sent = [int(sent * (64 << 20))]
+        summary[method] = entry
+    src, r1, r3 = "tcp://10.77.0.1:5000", "tcp://10.77.0.2:6000", "tcp://10.77.0.4:6001"
+    trials = []
+    if kill:
+        paths = [{r3: 64 << 20}, {src: 40 << 20, r1: 24 << 20}]
+        trials.append(_relay_trial("zmq-fresh", [1.5, 1.6], paths, [1]))
+    return ScenarioResult(scenario, trials, summary, 1.0, True)
+
+
+def test_issue13_targets_compare_several_receivers_with_one_in_the_same_run() -> None:
+    from zmqtransport.bench.relayreport import format_paths_detail, format_relay_summary, host_label
+    from zmqtransport.bench.report import format_targets
+    from zmqtransport.bench.targets import evaluate_targets
+
+    one = _relay_result("lab-1to1", 1, {"zmq-fresh": 1.4, "http-4": 1.4}, 1.0)
+    three = _relay_result("lab-1to3", 3, {"zmq-fresh": 1.68, "zmq-norelay": 4.2, "http-4": 4.2}, 1.02)
+    seven = _relay_result("lab-1to7", 7, {"zmq-fresh": 2.2}, 1.1)
+    killed = _relay_result("lab-kill", 3, {"zmq-fresh": 1.6}, 1.2, kill=True)
+    other_rate = _relay_result("other", 3, {"zmq-fresh": 9.0}, 3.0)
+    assert other_rate.scenario.lab is not None
+    other_rate.scenario = bench.Scenario("other", 64 << 20, 4 << 20, receivers=3, lab=bench.LabSpec(rate_mbit=100))
+    targets = [t for t in evaluate_targets([one, three, seven, killed, other_rate]) if t.issue == 13]
+    verdicts = {(t.scenario, t.text): (round(t.measured, 2), t.limit, t.holds) for t in targets}
+    assert verdicts == {
+        ("lab-1to3", "zmq-fresh slowest / one-receiver seconds (3 receivers)"): (1.2, 1.3, True),
+        ("lab-1to3", "zmq-fresh source upload / state (3 receivers)"): (1.02, 1.3, True),
+        ("lab-1to7", "zmq-fresh slowest / one-receiver seconds (7 receivers)"): (1.57, 1.5, False),
+        ("lab-kill", "zmq-fresh slowest / one-receiver seconds (3 receivers, 1 relay SIGKILLed mid-transfer)"): (
+            1.14,
+            2.0,
+            True,
+        ),
+    }
+    assert "targets (issue 13, measured cold):" in format_targets(targets)
+    summary = format_relay_summary([one, three, seven, killed, other_rate])
+    rows = {tuple(line.split()[:2]): line.split() for line in summary.splitlines()[2:]}
+    # zmq-norelay has no one-receiver row of its own: it is compared with zmq-fresh's.
+    assert rows[("lab-1to3", "zmq-norelay")][4:] == ["4.200", "1.400", "(zmq-fresh)", "3.00", "1.02"]
+    assert rows[("lab-1to3", "http-4")][4:] == ["4.200", "1.400", "3.00", "1.02"]
+    assert ("other", "zmq-fresh") not in rows  # no one-receiver row at its rate
+    assert host_label("tcp://10.77.0.1:5000") == "src" and host_label("tcp://10.77.0.4:1") == "r3"
+    assert host_label("tcp://127.0.0.1:5") == "127.0.0.1"
+    detail = format_paths_detail([killed])
+    assert "[lab-kill] zmq-fresh trial 0 (killed: r1): source sent 64.0 MiB" in detail
+    assert "r2 1.50 s <- r3 64.0; r3 1.60 s <- src 40.0, r1 24.0" in detail
+
+
+def test_relay_presets_are_chosen_together() -> None:
+    args = bench.build_parser().parse_args(["--scenario", "relay"])
+    scenarios = bench.scenarios_from_args(args, available=frozenset({"torchft"}))
+    assert [s.name for s in scenarios] == ["lab-1to1", "lab-1to3", "lab-1to7", "lab-kill"]
+    shapes = {s.name: (s.receivers, s.kill is not None, "zmq-norelay" in s.methods) for s in scenarios}
+    assert shapes == {
+        "lab-1to1": (1, False, False),
+        "lab-1to3": (3, False, True),
+        "lab-1to7": (7, False, True),
+        "lab-kill": (3, True, True),
+    }
