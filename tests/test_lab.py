@@ -438,3 +438,194 @@ def test_an_unreachable_preferred_path_is_skipped(unreachable: str) -> None:
     assert outcome["seconds"] < PATHS_TIMEOUT_S / 2, outcome
     assert outcome["paths"] == {run.endpoints[0]: PATHS_BYTES}
     assert run.sent[1] < 64 << 10, run.sent
+
+
+# ----------------------------------------------------------------------------- relays (issue 13)
+
+# Host 0 stages ``mib`` tensors of 1 MiB (seeded, checksums on) for ``receivers`` ranks.
+RELAY_SENDER = """
+import sys, torch
+from datetime import timedelta
+from zmqtransport import ZMQTransport
+address, mib, receivers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+generator = torch.Generator().manual_seed(13)
+state = {f"w{i}": torch.randn(1 << 18, generator=generator) for i in range(mib)}
+transport = ZMQTransport(timedelta(seconds=30), bind_host=address, advertise_host=address, checksum=True)
+transport.send_checkpoint(list(range(1, receivers + 1)), 5, state, timedelta(seconds=30))
+print(transport.metadata(), flush=True)
+sys.stdin.readline()
+transport.shutdown(wait=False)
+"""
+
+# Default bind and advertise settings: inside a lab host the only non-loopback
+# address is the host's lab address, so that is what it offers to relay at.
+# Prints "go METADATA" just before recv_checkpoint, then one JSON line. With a
+# kill fraction above 0 it SIGKILLs itself once that fraction of the bytes landed.
+RELAY_RECEIVER = """
+import json, os, signal, sys, time, torch
+from datetime import timedelta
+from zmqtransport import ZMQTransport
+mib, relay, kill_at, timeout = int(sys.argv[1]), sys.argv[2] == "relay", float(sys.argv[3]), float(sys.argv[4])
+generator = torch.Generator().manual_seed(13)
+expected = {f"w{i}": torch.randn(1 << 18, generator=generator) for i in range(mib)}
+
+def progress(done, total):
+    if kill_at and done >= kill_at * total:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+transport = ZMQTransport(timedelta(seconds=timeout), relay=relay, progress=progress)
+metadata = sys.stdin.readline().strip()
+print("go", transport.metadata(), flush=True)
+started = time.perf_counter()
+got = transport.recv_checkpoint(0, metadata, 5, timedelta(seconds=timeout))
+seconds = time.perf_counter() - started
+exact = got.keys() == expected.keys() and all(
+    got[key].view(torch.uint8).equal(tensor.view(torch.uint8)) for key, tensor in expected.items()
+)
+print(json.dumps({"seconds": seconds, "exact": exact, "paths": transport.last_recv_stats.paths}), flush=True)
+transport.shutdown(wait=False)
+"""
+
+RELAY_MIB = 32  # at 200 Mbit/s: about 1.3 s per receiver at link speed
+RELAY_RATE_MBIT = 200
+RELAY_BYTES = RELAY_MIB << 20
+RELAY_TIMEOUT_S = 20.0
+
+
+@dataclass
+class FanOut:
+    """What one source and several receivers on their own hosts did."""
+
+    source: str  # the source's metadata
+    receivers: list[str]  # each receiver's metadata, by rank - 1
+    outcomes: list[dict[str, Any] | None]  # each receiver's JSON outcome; None: it was killed
+    exit_codes: list[int]
+    uploaded: int  # bytes host 0's NIC sent during the receives
+
+
+def _start_receivers(lab: Lab, count: int, relay: bool, kill_first_at: float) -> list[subprocess.Popen[str]]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    mode = "relay" if relay else "direct"
+    return [
+        lab.popen(
+            host,
+            [
+                sys.executable,
+                "-c",
+                RELAY_RECEIVER,
+                str(RELAY_MIB),
+                mode,
+                str(kill_first_at if host == 1 else 0.0),
+                str(RELAY_TIMEOUT_S),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for host in range(1, count + 1)
+    ]
+
+
+def _go(receiver: subprocess.Popen[str], metadata: str) -> str:
+    """Hand ``receiver`` the source's metadata; returns its own once it starts receiving."""
+    assert receiver.stdin is not None and receiver.stdout is not None
+    receiver.stdin.write(metadata + "\n")
+    receiver.stdin.flush()
+    started = receiver.stdout.readline().split()
+    assert started[:1] == ["go"], "the receiver did not start"
+    return started[1]
+
+
+def _wait_until_sent(lab: Lab, before: int, nbytes: int) -> None:
+    deadline = time.monotonic() + RELAY_TIMEOUT_S
+    while lab.tx_bytes(0) - before < nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _fan_out(lab: Lab, count: int, relay: bool = True, kill_first_at: float = 0.0) -> FanOut:
+    """Host 0 serves ``count`` receivers on hosts 1..count, started together.
+
+    With ``kill_first_at``, receiver 1 starts first (it heads the source's relay
+    chain: the others start once the source has sent it 1 MiB) and SIGKILLs
+    itself once it has that fraction of the state.
+    """
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    sender = lab.popen(
+        0,
+        [sys.executable, "-c", RELAY_SENDER, lab.address(0), str(RELAY_MIB), str(count)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    receivers = _start_receivers(lab, count, relay, kill_first_at)
+    assert sender.stdout is not None and sender.stdin is not None
+    source = sender.stdout.readline().strip()
+    assert source, "the sender did not start"
+    before = lab.tx_bytes(0)
+    advertised = []
+    if kill_first_at:
+        advertised.append(_go(receivers[0], source))
+        _wait_until_sent(lab, before, 1 << 20)
+        advertised += [_go(receiver, source) for receiver in receivers[1:]]
+    else:
+        for receiver in receivers:  # all at once: each one's "go" is read after every metadata is handed out
+            assert receiver.stdin is not None
+            receiver.stdin.write(source + "\n")
+            receiver.stdin.flush()
+        for receiver in receivers:
+            assert receiver.stdout is not None
+            started = receiver.stdout.readline().split()
+            assert started[:1] == ["go"], "a receiver did not start"
+            advertised.append(started[1])
+    outcomes: list[dict[str, Any] | None] = []
+    for receiver in receivers:
+        out, err = receiver.communicate(timeout=RELAY_TIMEOUT_S + 30)
+        lines = out.strip().splitlines()
+        outcomes.append(json.loads(lines[-1]) if receiver.returncode == 0 and lines else None)
+        assert receiver.returncode in (0, -signal.SIGKILL), err
+    uploaded = lab.tx_bytes(0) - before
+    sender.stdin.write("\n")
+    sender.stdin.flush()
+    assert sender.wait(30) == 0
+    return FanOut(source, advertised, outcomes, [r.returncode for r in receivers], uploaded)
+
+
+@needs_lab
+@pytest.mark.parametrize("relay", [True, False], ids=["relay", "relay-off"])
+def test_three_receivers_on_three_hosts(relay: bool) -> None:
+    with Lab(hosts=4, nics=1, rate_mbit=RELAY_RATE_MBIT) as lab:
+        run = _fan_out(lab, 3, relay=relay)
+        addresses = [lab.address(host) for host in (1, 2, 3)]
+    # Each receiver offers to relay at its own lab address (the default advertise rules, in a namespace).
+    assert [endpoint.removeprefix("tcp://").rsplit(":", 1)[0] for endpoint in run.receivers] == addresses
+    assert all(outcome is not None and outcome["exact"] for outcome in run.outcomes), run.outcomes
+    outcomes = [outcome for outcome in run.outcomes if outcome is not None]
+    assert all(sum(outcome["paths"].values()) == RELAY_BYTES for outcome in outcomes)
+    from_receivers = sum(n for o in outcomes for endpoint, n in o["paths"].items() if endpoint in run.receivers)
+    if relay:
+        # The source's NIC carried the state about once, the receivers' uplinks the rest.
+        assert run.uploaded < 2 * RELAY_BYTES, run.uploaded
+        assert from_receivers >= RELAY_BYTES, [o["paths"] for o in outcomes]
+    else:
+        # As every transport did before: once per receiver, all from the source.
+        assert run.uploaded >= 3 * RELAY_BYTES, run.uploaded
+        assert from_receivers == 0, [o["paths"] for o in outcomes]
+
+
+@needs_lab
+def test_a_relay_sigkilled_mid_transfer() -> None:
+    with Lab(hosts=4, nics=1, rate_mbit=RELAY_RATE_MBIT) as lab:
+        run = _fan_out(lab, 3, kill_first_at=0.4)
+    assert run.exit_codes[0] == -signal.SIGKILL, run.exit_codes
+    survivors = run.outcomes[1:]
+    assert all(outcome is not None and outcome["exact"] for outcome in survivors), survivors
+    outcomes = [outcome for outcome in survivors if outcome is not None]
+    # Before the timeout: the killed relay's part went elsewhere, not to a timeout.
+    assert all(outcome["seconds"] < RELAY_TIMEOUT_S / 2 for outcome in outcomes), outcomes
+    # The killed relay had served a survivor part of the state: that one got the rest from another sender.
+    served = [o["paths"] for o in outcomes if o["paths"].get(run.receivers[0], 0) > 0]
+    assert served, [o["paths"] for o in outcomes]
+    assert all(len(paths) >= 2 and sum(paths.values()) == RELAY_BYTES for paths in served), served
