@@ -387,13 +387,18 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
 
 
 def _median_paths(trials: Sequence[Trial]) -> dict[str, int]:
-    """Per path (endpoint), the median over trials of the bytes all receivers landed over it."""
+    """Per sending address, the median over trials of the bytes all receivers landed from it.
+
+    Keyed by address, not endpoint: a relay is a fresh receiver process each
+    trial, on a new port, and per endpoint its bytes would show in one trial only.
+    """
     totals: list[dict[str, int]] = []
     for trial in trials:
         total: dict[str, int] = {}
         for paths in trial.recv_paths:
             for endpoint, nbytes in paths.items():
-                total[endpoint] = total.get(endpoint, 0) + nbytes
+                address = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+                total[address] = total.get(address, 0) + nbytes
         totals.append(total)
     endpoints = sorted({endpoint for total in totals for endpoint in total})
     return {endpoint: int(statistics.median(total.get(endpoint, 0) for total in totals)) for endpoint in endpoints}
