@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import signal
+import socketserver
 import threading
 import time
 import traceback
@@ -100,8 +101,16 @@ class SenderProcess:
             serving.close()
 
 
+def _expect_killed_peers() -> None:
+    """A receiver killed on purpose (scenario.kill) resets its connections: servers' tracebacks are expected."""
+    logging.disable(logging.ERROR)  # HTTPTransport logs each reset with logger.exception
+    socketserver.BaseServer.handle_error = lambda *args: None  # type: ignore[method-assign]
+
+
 def sender_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place) -> None:
     _enter(place)
+    if scenario.kill is not None:
+        _expect_killed_peers()
     sender = SenderProcess(scenario, knobs, place)
     try:
         handlers: dict[str, Callable[..., Any]] = {
