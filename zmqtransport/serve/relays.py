@@ -87,6 +87,7 @@ class Relayed:
     # Set by the serving thread when it starts or sends a transfer of this
     # relay; the receiving thread reads it to know when its downstream is done.
     touched: float = field(default_factory=time.monotonic)
+    served: bool = False  # a downstream has asked (until then nothing needs waking)
     sent_bytes: int = 0
     device_plan: None = None  # a relay serves host memory only
     # Held while a message is copied; stop() takes it, so once stop() returns

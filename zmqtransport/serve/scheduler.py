@@ -369,6 +369,7 @@ class Scheduler:
         if len(self.transfers) >= self.limits.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
         relayed.touched = now
+        relayed.served = True
         return self._start_span(peer, request, address, now, relayed)
 
     def _start_span(
