@@ -14,8 +14,10 @@ and keeps the most preferred one that connects:
   listening since the race began when the path that connected first was never
   refused; otherwise (a receiver that started before its source) only since
   that first connection, and an earlier refusal is tried again;
-* the other DEALERs are closed before the request is sent, so the source
-  serves one connection per receive, as with a single path;
+* with one connection (``streams=1``) the other DEALERs are closed before the
+  request is sent, so the source serves one connection per receive, as with a
+  single path; a striped receive keeps them (``connect_first(keep=True)``)
+  and stripes the data over every one that connects (:mod:`zmqtransport.striped`);
 * while no path connects the receive keeps waiting (the source may not be
   listening yet, exactly as with one path), until the transfer timeout.
 

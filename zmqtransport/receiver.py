@@ -27,13 +27,13 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, liveness, paths, striped, wire
+from . import buffers, landing, liveness, paths, relaying, striped, wire
 from .codec import dtensor
 from .codec.paths import format_path
 from .codec.skeleton import build_tree
 from .device import CPU, DeviceStaging, RecvUnstager, fresh_storage, tensor_bytes
 from .errors import ConnectionLostError, IntegrityError, ProtocolError, RemoteError, StalledError
-from .net import PeerAddress
+from .net import PeerAddress, parse_metadata
 from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,15 @@ class FetchOptions:
     # Connections per receive (docs/protocol.md, "Spans"): None, one per path
     # the source advertises; 1, a single connection as before spans existed.
     streams: int | None = None
+    # Relaying (docs/protocol.md, "Relays"): where this receiver serves (its
+    # transport's metadata; None: it does not relay), its server, and the
+    # socket options for fetching from a relay the source names.
+    relay_at: str | None = None
+    relay_host: relaying.RelayHost | None = None
+    configure_for: Callable[[PeerAddress], Callable[[zmq.Socket[Any]], None] | None] | None = None
 
     def striped(self, address: PeerAddress) -> bool:
-        """Whether a receive from ``address`` stripes its data over several connections."""
+        """Whether a receive from ``address`` asks for the header alone, then for spans on several connections."""
         if self.streams is None:
             return bool(address.more_paths)
         return self.streams > 1
@@ -209,6 +215,8 @@ class _Receiver:
         self.stats = TransferStats(peer=address.endpoint, step=step)
         self.parsed: landing.ParsedHeader | None = None  # set once the header is validated
         self.stage: int | None = None  # the staging's id, from a sender that serves span fetches
+        self.relay_order: wire.RelayOrder | None = None  # what the source said about relaying
+        self.duty: relaying.RelayDuty | None = None  # serving what lands to the downstream
         self.spare: list[paths.Candidate] = []  # further paths' DEALERs kept for a striped receive
         self.extra: list[paths.Candidate] = []  # further connections opened for a striped receive
         self.path = address.paths[0]  # the path of self.socket
@@ -220,7 +228,7 @@ class _Receiver:
         first = paths.open_candidate(context, address.paths[0], self._configure, options.stall_timeout, racing)
         self.socket, self.source = first.socket, first.watch
 
-    def _configure(self, sock: zmq.Socket[Any]) -> None:
+    def _configure(self, sock: zmq.Socket[Any], peer_options: bool = True) -> None:
         sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
         # An explicit routing id survives a reconnect, so a sender that had to
@@ -228,8 +236,8 @@ class _Receiver:
         # answer a request it parked before. Ids must not start with a zero byte.
         sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
         liveness.configure_heartbeats(sock, self.options.stall_timeout)
-        if self.options.configure is not None:
-            self.options.configure(sock)
+        if peer_options and self.options.configure is not None:
+            self.options.configure(sock)  # the source's (CurveZMQ server key)
 
     # ----------------------------------------------------------------- socket helpers
 
@@ -329,10 +337,16 @@ class _Receiver:
         self._connect(keep_paths)
         self.send_request(header_only)
 
-    def send_request(self, header_only: bool = False) -> None:
+    def send_request(self, header_only: bool = False, relay: bool = True) -> None:
         wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
         request = wire.fetch_request(
-            self.xfer, self.step, wait_ms, self.options.window, self.options.allow_pickle, header_only
+            self.xfer,
+            self.step,
+            wait_ms,
+            self.options.window,
+            self.options.allow_pickle,
+            header_only,
+            relay=self.options.relay_at if relay else None,
         )
         self.socket.send(request)
 
@@ -344,6 +358,7 @@ class _Receiver:
         if stage is not None and (type(stage) is not int or not 0 <= stage < 2**64):
             raise ProtocolError(f"header field 'stage' must be an unsigned 64-bit integer, got {stage!r}")
         self.stage = stage
+        self.relay_order = wire.decode_relay_order(message.get("relay")) if self.options.relay_at else None
         body = self.socket.recv()
         self._expect_no_more("the header")
         header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
@@ -360,6 +375,7 @@ class _Receiver:
         batch = max(1, self.options.window // 2)
         progress = self.options.progress
         prefaulter = landed.prefaulter
+        duty = self._attach_duty(landed, unstager)
         if unstager is not None:
             # Every bounce buffer is sized for the largest bounced message: none grows mid-receive.
             self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
@@ -368,6 +384,9 @@ class _Receiver:
             if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
                 raise ProtocolError(f"expected data message {seq}, got {message.get('op')!r} {message.get('seq')!r}")
             payload = self.land_message(self.socket, seq, message, landed, unstager, pieces)
+            if duty is not None:
+                crc = message.get("crc")
+                duty.landed(seq, crc if type(crc) is int else None)
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < len(chunks):
                 self.socket.send(wire.credit_request(self.xfer, unacknowledged))
@@ -379,6 +398,8 @@ class _Receiver:
             if progress is not None:
                 progress(done, header.total_bytes)
         self.receive_end()
+        if duty is not None:
+            duty.finish()
 
     def land_message(
         self,
@@ -450,10 +471,10 @@ class _Receiver:
             candidate.close()
         self.spare = []
         self.xfer = random.getrandbits(63)
-        self.send_request()
+        self.send_request(relay=False)  # it relays nothing either
 
     def receive_striped(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None) -> None:
-        """Receive every data message over several connections (:mod:`zmqtransport.striped`)."""
+        """Receive every data message in spans (:mod:`zmqtransport.striped`), relaying if the source said so."""
         chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
         if unstager is not None:
             self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
@@ -461,28 +482,38 @@ class _Receiver:
         request = striped.Request(
             self.step, self.stage, self.options.allow_pickle, self.deadline, self.options.stall_timeout
         )
-
-        def land_one(socket: zmq.Socket[Any], seq: int, envelope: dict[str, Any]) -> memoryview:
-            return self.land_message(socket, seq, envelope, landed, unstager, chunks[seq])
-
-        def landed_prefix(nbytes: int) -> None:
-            if landed.prefaulter is not None:
-                landed.prefaulter.received = nbytes  # its workers skip what the data has reached
-
+        duty = self._attach_duty(landed, unstager)
         streams = self._open_streams()
         run = striped.StripedReceive(
-            streams, chunks, request, land_one, striped.span_messages(header.chunk_bytes), self.options.progress
+            streams,
+            chunks,
+            request,
+            lambda socket, seq, envelope: self.land_message(socket, seq, envelope, landed, unstager, chunks[seq]),
+            striped.span_messages(header.chunk_bytes),
+            self.options.progress,
         )
+
+        def on_landed(seq: int, crc: int | None) -> None:
+            if landed.prefaulter is not None:
+                landed.prefaulter.received = run.prefix_bytes()  # its workers skip what the data has reached
+            if duty is not None:
+                duty.landed(seq, crc)
+
         try:
-            run.run(landed_prefix)
+            run.run(on_landed)
+            if duty is not None:
+                duty.finish()
         finally:
-            self.stats.streams = len(streams)
-            self.stats.messages = sum(stream.messages for stream in streams)
-            self.stats.duplicate_messages = run.duplicates
-            for stream in streams:
-                if stream.bytes:
-                    endpoint = stream.path.endpoint
-                    self.stats.paths[endpoint] = self.stats.paths.get(endpoint, 0) + stream.bytes
+            self._record(streams, run)
+
+    def _record(self, streams: list[striped.Stream], run: striped.StripedReceive) -> None:
+        self.stats.streams = len(streams)
+        self.stats.messages = sum(stream.messages for stream in streams)
+        self.stats.duplicate_messages = run.duplicates
+        for stream in streams:
+            if stream.bytes:
+                endpoint = stream.path.endpoint
+                self.stats.paths[endpoint] = self.stats.paths.get(endpoint, 0) + stream.bytes
 
     def _open_streams(self) -> list[striped.Stream]:
         """This receive's connections: the header's, the other paths' kept ones, and more up to ``streams``."""
@@ -503,13 +534,65 @@ class _Receiver:
             candidate.socket.connect(path.endpoint)
             candidates.append(candidate)
         self.spare = candidates[1:]
-        return [striped.Stream(c.path, c.socket, c.watch) for c in candidates]
+        streams = [striped.Stream(c.path, c.socket, c.watch) for c in candidates]
+        order = self.relay_order
+        if order is not None and order.upstream is not None:
+            # Fetch from the relay the source named; the source's connections stand by.
+            for stream in streams:
+                stream.standby = True
+            streams[:0] = self._open_relay_streams(order)
+        return streams
+
+    def _open_relay_streams(self, order: wire.RelayOrder) -> list[striped.Stream]:
+        """One connection per path of the upstream relay, showing the token the source gave for it."""
+        assert order.upstream is not None
+        try:
+            upstream = parse_metadata(order.upstream)
+        except ValueError as exc:
+            raise ProtocolError(f"the source named a relay with malformed metadata: {exc}") from None
+        configure_for = self.options.configure_for
+        extra_options = configure_for(upstream) if configure_for is not None else None
+
+        def configure(sock: zmq.Socket[Any]) -> None:
+            self._configure(sock, peer_options=False)
+            if extra_options is not None:
+                extra_options(sock)
+
+        streams = []
+        for path in upstream.paths:
+            candidate = paths.open_candidate(self.context, path, configure, self.options.stall_timeout, False)
+            self.extra.append(candidate)
+            candidate.socket.connect(path.endpoint)
+            streams.append(striped.Stream(path, candidate.socket, candidate.watch, token=order.upstream_token))
+        return streams
 
     def cancel(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
 
+    def _attach_duty(self, landed: Landed, unstager: RecvUnstager | None) -> relaying.RelayDuty | None:
+        """The relay duty, now serving from the landed memory; None when there is none or it cannot serve."""
+        duty = self.duty
+        if duty is None:
+            return None
+        duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
+        return None if duty.stopped else duty
+
+    @property
+    def sent_to_relay(self) -> bool:
+        """The source named a relay to fetch from (and sent the header alone)."""
+        return self.stage is not None and self.relay_order is not None and self.relay_order.upstream is not None
+
+    def start_relaying(self, header: wire.Header) -> None:
+        """Register as a relay as soon as the header is here, if the source asked (see :mod:`.relaying`)."""
+        if self.stage is None or self.relay_order is None:
+            return
+        chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        self.duty = relaying.RelayDuty.start(self.options.relay_host, self.relay_order, self.step, self.stage, chunks)
+
     def close(self) -> None:
+        if self.duty is not None:
+            self.duty.stop()  # before anything is handed to the caller, whatever happened
         for candidate in (*self.spare, *self.extra):
             candidate.close()
         self.source.close()
@@ -639,13 +722,14 @@ def _fetch(
         # A striped receive asks for the header alone, then for spans on every connection.
         receiver.request(header_only=stripe, keep_paths=stripe)
         parsed = receiver.receive_header()
-        if stripe:
-            receiver.receive_end()
+        if stripe or receiver.sent_to_relay:
+            receiver.receive_end()  # the header came alone: spans follow (from a relay, maybe)
             if receiver.stage is None:
                 # A sender from before span fetches: one connection, as it expects.
-                stripe = False
                 receiver.fall_back_to_one_stream()
                 parsed = receiver.receive_header()
+            stripe = receiver.stage is not None
+        receiver.start_relaying(parsed.header)
         receiver.stats.header_seconds = time.monotonic() - started
         # Refused (absurd sizes) before anything is allocated.
         plan = landing.plan_landing(parsed, targets, _landing_options(options))

@@ -37,6 +37,10 @@ DEPTH = 2
 QUIET_GAPS = 4.0
 QUIET_MIN = 0.05  # seconds: never sooner (scheduling noise on a busy host)
 QUIET_FIRST = 0.5  # seconds: a stream that has delivered nothing yet
+# A standby stream (the source, while relays serve this receive) takes over a
+# primary's span only after this much silence: a relay waits for its own
+# upstream at times, and every takeover is an upload the source was spared.
+STANDBY_QUIET = 1.0
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Span:
 
 @dataclass
 class _Stream:
+    standby: bool = False  # only takes over, or works when no primary stream is left
     up: bool = False  # connected (work is only handed to streams that are)
     lost: bool = False
     last_data: float | None = None
@@ -68,15 +73,22 @@ class _Stream:
 class SpanBook:
     """The spans of one striped receive: queued, outstanding per stream, and which messages landed."""
 
-    def __init__(self, messages: int, streams: int, span: int, depth: int = DEPTH) -> None:
+    def __init__(
+        self,
+        messages: int,
+        streams: int,
+        span: int,
+        depth: int = DEPTH,
+        standby: frozenset[int] = frozenset(),
+    ) -> None:
         if messages < 0 or streams < 1 or span < 1 or depth < 1:
             raise ValueError("a span book needs messages >= 0, streams >= 1, span >= 1, depth >= 1")
         self.depth = depth
         self.queue: deque[tuple[int, int]] = deque((at, min(at + span, messages)) for at in range(0, messages, span))
-        self.landed = bytearray(messages)  # 1 once message seq has landed
+        self.landed = bytearray(messages)  # 1 once message seq has arrived (its landing under way)
         self.missing = messages
         self.spans: dict[int, Span] = {}  # outstanding, by transfer id
-        self._streams = [_Stream() for _ in range(streams)]
+        self._streams = [_Stream(standby=index in standby) for index in range(streams)]
         self._prefix = 0
 
     # ------------------------------------------------------------------ state
@@ -99,10 +111,6 @@ class SpanBook:
 
     # ------------------------------------------------------------------ events
 
-    def add_stream(self) -> int:
-        self._streams.append(_Stream())
-        return len(self._streams) - 1
-
     def connected(self, stream: int, up: bool) -> None:
         self._streams[stream].up = up
 
@@ -111,12 +119,13 @@ class SpanBook:
         state = self._streams[stream]
         if state.lost or not state.up or len(self.outstanding(stream)) >= self.depth:
             return None
-        while self.queue:
+        standing_by = state.standby and any(not s.lost and not s.standby for s in self._streams)
+        while self.queue and not standing_by:
             first, stop = self.queue.popleft()
             first = self._first_missing(first, stop)
             if first < stop:
                 return self._open(xfer, stream, first, stop, now)
-        victim = self._quiet_span(stream, now)
+        victim = self._quiet_span(stream, now, STANDBY_QUIET if standing_by else 0.0)
         if victim is None:
             return None
         victim.taken_over = True
@@ -202,7 +211,7 @@ class SpanBook:
             first += 1
         return first
 
-    def _quiet_span(self, stream: int, now: float) -> Span | None:
+    def _quiet_span(self, stream: int, now: float, at_least: float) -> Span | None:
         """The unfinished span of another stream that has been quiet longest, if any is quiet enough."""
         best: Span | None = None
         best_silence = 0.0
@@ -212,6 +221,6 @@ class SpanBook:
             if self._first_missing(span.next, span.stop) >= span.stop:
                 continue
             silence = now - self.silent_since(span)
-            if silence >= self.quiet_after(span.stream) and silence > best_silence:
+            if silence >= max(at_least, self.quiet_after(span.stream)) and silence > best_silence:
                 best, best_silence = span, silence
         return best

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import random
 import time
@@ -24,10 +25,12 @@ from typing import Any
 
 import zmq
 
-from . import liveness, wire
+from . import liveness, paths, wire
 from .errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
 from .net import Path
 from .spans import SPAN_BYTES, Span, SpanBook
+
+logger = logging.getLogger(__name__)
 
 # How long one wait may last before streams are checked again (connections
 # coming up, takeovers due), when nothing else wakes the loop sooner.
@@ -46,6 +49,8 @@ class Stream:
     path: Path
     socket: zmq.Socket[Any]
     watch: liveness.SourceWatch
+    token: bytes | None = None  # a relay's: shown in every span fetch (docs/protocol.md, "Relays")
+    standby: bool = False  # the source while a relay serves: used when the relay cannot be
     bytes: int = 0  # landed from this stream
     messages: int = 0
     gone: str = ""  # why it was dropped ("" while in use)
@@ -89,11 +94,13 @@ class StripedReceive:
         self.land = land
         self.progress = progress
         self.offsets = list(itertools.accumulate((wire.chunk_length(p) for p in plan), initial=0))
-        self.book = SpanBook(len(plan), len(self.streams), span)
+        standby = frozenset(i for i, stream in enumerate(self.streams) if stream.standby)
+        self.book = SpanBook(len(plan), len(self.streams), span, standby=standby)
+        self.started = time.monotonic()
         self.landed_bytes = 0
         self.duplicates = 0  # messages that landed twice (the second copy dropped)
         self.cancelled: set[int] = set()
-        self._on_landed: Callable[[int], None] | None = None
+        self._on_landed: Callable[[int, int | None], None] | None = None
         self.poller = zmq.Poller()
         for stream in self.streams:
             self.poller.register(stream.socket, zmq.POLLIN)
@@ -101,8 +108,8 @@ class StripedReceive:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, on_landed: Callable[[int], None] | None = None) -> None:
-        """Until every message has landed; ``on_landed(prefix_bytes)`` after each message."""
+    def run(self, on_landed: Callable[[int, int | None], None] | None = None) -> None:
+        """Until every message has landed; ``on_landed(seq, crc)`` after each message lands."""
         self._on_landed = on_landed
         try:
             while not self.book.complete:
@@ -116,6 +123,10 @@ class StripedReceive:
                         self._drain(index, stream)
         finally:
             self._cancel(list(self.book.spans.values()))
+
+    def prefix_bytes(self) -> int:
+        """Bytes of the plan, from the first, that have all landed."""
+        return self.offsets[self.book.prefix()]
 
     def _wait_ms(self, now: float) -> int:
         wake = min(self.request.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
@@ -134,6 +145,9 @@ class StripedReceive:
                 self._drain(index, stream)  # what arrived before the connection closed still counts
                 self._drop(index, stream, "connection lost")
                 continue
+            if not state.established and now - self.started >= paths.CONNECT_BOUND:
+                self._drop(index, stream, "did not connect")
+                continue
             self.book.connected(index, state.established and state.lost_at is None)
             owed = [span for span in self.book.outstanding(index) if not span.finished]
             stall = self.request.stall_timeout
@@ -141,6 +155,7 @@ class StripedReceive:
                 self._drop(index, stream, f"sent nothing for {stall:.3g} s (stall_timeout)")
 
     def _drop(self, index: int, stream: Stream, why: str) -> None:
+        logger.info("striped receive of step %d: dropping %s (%s)", self.request.step, stream.path.endpoint, why)
         stream.gone = why
         self.book.lost(index)
         with contextlib.suppress(KeyError):
@@ -162,6 +177,7 @@ class StripedReceive:
                     self.request.accept_pickle,
                     span=(span.first, span.stop),
                     stage=self.request.stage,
+                    token=stream.token,
                 )
                 try:
                     stream.socket.send(fetch, zmq.NOBLOCK)
@@ -191,7 +207,7 @@ class StripedReceive:
             except zmq.Again:
                 return
             self._handle(index, stream, frame)
-            if self.book.complete:
+            if self.book.complete or stream.gone:
                 return
 
     def _handle(self, index: int, stream: Stream, frame: bytes) -> None:
@@ -216,6 +232,10 @@ class StripedReceive:
             if xfer in self.cancelled:
                 return
             code, text = str(message.get("code", "unknown")), str(message.get("msg", ""))
+            if code == wire.ERR_NOT_RELAYING and stream.token is not None:
+                # A relay that cannot (or no longer) serve: the source or another relay will.
+                self._drop(index, stream, f"relay: {text}")
+                return
             if code == wire.ERR_NOT_STAGED:
                 raise TimeoutError(f"recv_checkpoint timed out: the source at {stream.path.endpoint} staged nothing")
             raise RemoteError(code, f"the peer at {stream.path.endpoint}: {text}")
@@ -243,7 +263,8 @@ class StripedReceive:
         stream.messages += 1
         self.landed_bytes += len(payload)
         if self._on_landed is not None:
-            self._on_landed(self.offsets[self.book.prefix()])
+            crc = message.get("crc")
+            self._on_landed(seq, crc if type(crc) is int else None)
         if self.progress is not None:
             self.progress(self.landed_bytes, self.offsets[-1])
 

@@ -115,6 +115,15 @@ class ZMQTransport(CheckpointTransport[T]):
             stalls mid-transfer has its spans fetched over the others
             (docs/protocol.md, "Spans"). Needs a sender of this release; an
             older one is read over one connection.
+        relay: when several receivers fetch one step from one source at the
+            same time, forward what this receiver has received to the next
+            one, so the source uploads the state about once rather than once
+            per receiver (docs/protocol.md, "Relays"). On by default; it
+            costs this receiver its upload bandwidth while it receives, and
+            ``recv_checkpoint`` returns at most ``zmqtransport.relaying.RELAY_TAIL``
+            (1 s) after its own data is complete, never serving from the
+            received memory after it returns. ``False``: never relay, and
+            fetch from the source only.
         allow_pickle: send objects that have no pickle-free encoding as pickle,
             and accept pickled objects when receiving. Off by default: a peer's
             pickle can run arbitrary code. Both sides must opt in.
@@ -171,6 +180,7 @@ class ZMQTransport(CheckpointTransport[T]):
         pack_below: int = DEFAULT_PACK_BELOW,
         window: int = DEFAULT_WINDOW,
         streams: int | None = None,
+        relay: bool = True,
         allow_pickle: bool = False,
         state_dict: Callable[[], T] | None = None,
         checksum: bool = False,
@@ -188,6 +198,8 @@ class ZMQTransport(CheckpointTransport[T]):
     ) -> None:
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
+        if type(relay) is not bool:
+            raise ValueError(f"relay={relay!r}: must be True or False")
         if streams is not None and (type(streams) is not int or not 1 <= streams <= MAX_STREAMS):
             raise ValueError(f"streams={streams!r}: must be None (one per path) or an integer in [1, {MAX_STREAMS}]")
         bind_hosts = split_hosts(bind_host, "bind_host")
@@ -247,6 +259,10 @@ class ZMQTransport(CheckpointTransport[T]):
             raise
         first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
         self._address = PeerAddress(first.host, first.port, params, tuple(more))
+        if relay:
+            self._fetch_options.relay_at = self._address.to_metadata()
+            self._fetch_options.relay_host = self._server
+            self._fetch_options.configure_for = lambda address: self._options_for(address).configure
         self.last_recv_stats: TransferStats | None = None
 
     # ------------------------------------------------------------------ contract
@@ -363,9 +379,16 @@ class ZMQTransport(CheckpointTransport[T]):
         """Transfers finished serving after the first ``cursor`` ones, and the next cursor.
 
         Poll it as ``cursor, new = transport.sent_since(cursor)`` to see every
-        served transfer once (the most recent 256 are kept).
+        served transfer once (the most recent 256 are kept). A striped
+        receive is served as one transfer per span, and what this transport
+        relays as a receiver is recorded too; :attr:`sent_bytes` sums them all.
         """
         return self._server.sent_since(cursor)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Data bytes this transport has uploaded in finished sends: transfers, spans and what it relayed."""
+        return self._server.sent_bytes
 
     @property
     def address(self) -> PeerAddress:

@@ -84,6 +84,13 @@ class Staged:
         """Data messages in the chunk plan."""
         return len(self.plan)
 
+    @property
+    def tensor_count(self) -> int:
+        return len(self.tree.tensors)
+
+    def available(self, seq: int) -> bool:
+        return True  # every message of a staged step can be sent at once (a relay's cannot)
+
     def span_bytes(self, first: int, stop: int) -> int:
         return sum(wire.chunk_length(pieces) for pieces in self.plan[first:stop])
 
