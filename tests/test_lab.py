@@ -294,6 +294,10 @@ transport.shutdown(wait=False)
 PATHS_MIB = 24  # at 200 Mbit/s: about 1 s on one NIC, 0.5 s on two
 PATHS_RATE_MBIT = 200
 PATHS_TIMEOUT_S = 20.0
+# The source's stall bound: longer than any of these transfers, so a cut path's
+# stuck frames never make the source rebind its socket mid-transfer (which
+# closes the surviving path's connection too: a known issue, docs/performance.md).
+SENDER_STALL_S = 15.0
 
 
 @dataclass
@@ -316,6 +320,8 @@ def _paths_transfer(
 ) -> PathsRun:
     """Host 0 serves on its NICs ``bind``; host 1 receives. ``cut``: source NICs taken down mid-transfer.
 
+    ``stall`` is the receiver's stall bound (the source's is :data:`SENDER_STALL_S`).
+
     The cut comes once the source has sent a quarter of the state (read from
     the NIC counters), so every path has carried some of it by then.
     """
@@ -324,7 +330,7 @@ def _paths_transfer(
     advertised = ",".join(advertise if advertise is not None else hosts)
     sender = lab.popen(
         0,
-        [sys.executable, "-c", PATHS_SENDER, ",".join(hosts), advertised, str(PATHS_MIB), str(stall)],
+        [sys.executable, "-c", PATHS_SENDER, ",".join(hosts), advertised, str(PATHS_MIB), str(SENDER_STALL_S)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
