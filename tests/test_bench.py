@@ -337,3 +337,15 @@ def test_relay_presets_are_chosen_together() -> None:
         "lab-1to7": (7, False, True),
         "lab-kill": (3, True, True),
     }
+
+
+@pytest.mark.skipif(lab.unavailable_reason() is not None, reason=lab.unavailable_reason() or "")
+def test_lab_kill_scenario_reports_the_survivors() -> None:
+    done = _run("--scenario", "lab-kill", "--total", "8M", "--tensor", "1M", "--methods", "zmq-fresh", "--json")
+    assert done.returncode == 0, done.stderr
+    (scenario,) = json.loads(done.stdout)["scenarios"]
+    (trial,) = scenario["trials"]
+    # Receiver 1 headed the chain and died of SIGKILL at 40%; the two others completed (content checked).
+    assert trial["killed"] == [1]
+    assert len(trial["seconds"]) == len(trial["recv_paths"]) == 2
+    assert all(sum(paths.values()) == 8 << 20 for paths in trial["recv_paths"])
