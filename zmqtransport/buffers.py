@@ -239,8 +239,9 @@ class Arena:
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int] | None = None) -> torch.Tensor:
         """``nbytes`` at ``offset`` as a 1-D tensor of ``dtype``, or of ``shape`` when given."""
-        tensor = torch.frombuffer(self._mapping, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
-        if shape is not None and (len(shape) != 1 or shape[0] != tensor.shape[0]):
+        count = nbytes // dtype.itemsize
+        tensor = torch.frombuffer(self._mapping, dtype=dtype, count=count, offset=offset)
+        if shape is not None and (len(shape) != 1 or shape[0] != count):
             tensor = tensor.view(shape)
         return tensor
 
@@ -251,10 +252,11 @@ ARENA_ALIGN = 64
 def arena_offsets(sizes: Sequence[int]) -> list[int]:
     """Where storages of ``sizes`` lie in an :class:`Arena`: in order, each at an aligned offset."""
     offsets: list[int] = []
+    append = offsets.append
     at = 0
     for nbytes in sizes:
-        offsets.append(at)
-        at += _aligned(nbytes)
+        append(at)
+        at += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN  # _aligned, inline: called for every small storage
     return offsets
 
 

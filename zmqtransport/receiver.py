@@ -59,36 +59,42 @@ class FetchOptions:
 # ----------------------------------------------------------------------------- executing a landing plan
 
 
-@dataclass
 class Destination:
     """One storage's landing memory, allocated as its :data:`landing.Placement` says.
 
     ``view`` is the host memory its bytes are received into (empty when they go
     through bounce buffers into ``device_bytes``); ``fresh`` is the storage's
-    freshly allocated memory (None in place).
+    freshly allocated memory (None in place). A plain class whose derived
+    attributes are set once: a receive makes one per storage and reads them
+    per storage and per packed piece (properties over the placement cost
+    20 ms for 20,480 storages).
     """
+
+    __slots__ = ("arena_offset", "device_bytes", "exact", "fresh", "in_place", "placement", "view")
 
     placement: landing.Placement
     view: memoryview
-    device_bytes: torch.Tensor | None = None  # flat uint8 device memory filled through bounce buffers
-    fresh: torch.Tensor | None = None
+    device_bytes: torch.Tensor | None  # flat uint8 device memory filled through bounce buffers
+    fresh: torch.Tensor | None
+    in_place: Any  # the caller's tensor (or DTensor) receiving the bytes, or None
+    exact: bool  # ``fresh`` was allocated as the storage's only tensor, handed out as it is
+    arena_offset: int  # where ``fresh`` lies in the arena, or -1
 
-    @property
-    def in_place(self) -> Any:
-        """The caller's tensor (or DTensor) receiving the bytes, or None."""
-        placement = self.placement
-        return placement.target if isinstance(placement, landing.InPlace | landing.InPlaceBounced) else None
-
-    @property
-    def exact(self) -> bool:
-        """``fresh`` was allocated as the storage's only tensor, which is then handed out as it is."""
-        placement = self.placement
-        return isinstance(placement, landing.Fresh | landing.InArena) and placement.exact is not None
-
-    @property
-    def arena_offset(self) -> int:
-        """Where ``fresh`` lies in the arena, or -1."""
-        return self.placement.offset if isinstance(self.placement, landing.InArena) else -1
+    def __init__(
+        self,
+        placement: landing.Placement,
+        view: memoryview,
+        device_bytes: torch.Tensor | None = None,
+        fresh: torch.Tensor | None = None,
+    ) -> None:
+        self.placement = placement
+        self.view = view
+        self.device_bytes = device_bytes
+        self.fresh = fresh
+        in_arena = isinstance(placement, landing.InArena)
+        self.in_place = placement.target if isinstance(placement, landing.InPlace | landing.InPlaceBounced) else None
+        self.exact = (in_arena or isinstance(placement, landing.Fresh)) and placement.exact is not None  # type: ignore[union-attr]
+        self.arena_offset = placement.offset if in_arena else -1  # type: ignore[union-attr]
 
 
 @dataclass
@@ -136,6 +142,14 @@ def land(plan: landing.LandingPlan, prefault_threads: int) -> Landed:
 
 
 def _allocate(placement: landing.Placement, arena: buffers.Arena | None) -> Destination:
+    if type(placement) is landing.InArena:  # most storages of a many-tensor receive: no match chain
+        assert arena is not None
+        at, nbytes, exact = placement
+        if exact is not None:
+            fresh = arena.tensor(at, nbytes, exact.dtype, exact.shape)
+        else:
+            fresh = arena.tensor(at, nbytes, torch.uint8)
+        return Destination(placement, arena.view[at : at + nbytes], fresh=fresh)
     empty = memoryview(b"")
     match placement:
         case landing.InPlace(local=local):
@@ -145,13 +159,6 @@ def _allocate(placement: landing.Placement, arena: buffers.Arena | None) -> Dest
         case landing.FreshBounced(nbytes=nbytes, device=device):
             fresh = fresh_storage(nbytes, device)
             return Destination(placement, empty, device_bytes=fresh, fresh=fresh)
-        case landing.InArena(offset=at, nbytes=nbytes, exact=exact):
-            assert arena is not None
-            if exact is not None:
-                fresh = arena.tensor(at, nbytes, exact.dtype, exact.shape)
-            else:
-                fresh = arena.tensor(at, nbytes, torch.uint8)
-            return Destination(placement, arena.view[at : at + nbytes], fresh=fresh)
         case landing.Fresh(nbytes=nbytes, exact=exact, huge_pages=huge_pages):
             if exact is not None:
                 # The storage's only tensor, allocated as itself: building it
@@ -423,11 +430,11 @@ def _integrity_error(
 
 def _build(parsed: landing.ParsedHeader, landed: Landed) -> Any:
     """The received object: the skeleton with each tensor leaf where its storage landed."""
+    specs = parsed.specs
     destinations = landed.destinations
-    tensors: dict[int, Any] = {}
 
     def plain(index: int) -> torch.Tensor:
-        spec = parsed.specs[index]
+        spec = specs[index]
         destination = destinations[spec.storage]
         placement = destination.placement
         if isinstance(placement, landing.InPlace | landing.InPlaceBounced):
@@ -446,15 +453,17 @@ def _build(parsed: landing.ParsedHeader, landed: Landed) -> Any:
         return tensor
 
     def leaf(index: int) -> Any:
-        if index not in tensors:
-            placement = destinations[parsed.specs[index].storage].placement
-            # In place: hand back the caller's own tensor object, not a new view
-            # (a DTensor target is rebuilt around its shard by make_dtensor).
-            if isinstance(placement, landing.InPlace | landing.InPlaceBounced) and placement.local is placement.target:
-                tensors[index] = placement.target
-            else:
-                tensors[index] = plain(index)
-        return tensors[index]
+        # (index_skeleton let each index appear once, so nothing is built twice.)
+        spec = specs[index]
+        destination = destinations[spec.storage]
+        if destination.exact and not spec.requires_grad and not spec.is_param:
+            return destination.fresh  # most leaves of a fresh receive: allocated as themselves
+        target = destination.in_place
+        # In place: hand back the caller's own tensor object, not a new view
+        # (a DTensor target is rebuilt around its shard by make_dtensor).
+        if target is not None and destination.placement.local is target:  # type: ignore[union-attr]
+            return target
+        return plain(index)
 
     def make_dtensor(index: int, spec_obj: Any, requires_grad: bool) -> Any:
         # The caller's DTensor at this path, even when its bytes were not a
