@@ -230,20 +230,28 @@ class Arena:
     ``torch.load(mmap=True)`` or safetensors.
     """
 
-    def __init__(self, sizes: Sequence[int]) -> None:
-        self.offsets = arena_offsets(sizes)
-        at = self.nbytes = arena_size(sizes)
+    def __init__(self, sizes: Sequence[int], offsets: list[int] | None = None) -> None:
+        """An arena for storages of ``sizes``; ``offsets``: :func:`arena_offsets` of them, when already known."""
+        self.offsets = arena_offsets(sizes) if offsets is None else offsets
+        at = self.nbytes = self.offsets[-1] + _aligned(sizes[-1]) if sizes else 0
         self._mapping = mmap.mmap(-1, max(at, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self._mapping)
         self.pointer = ctypes.addressof(ctypes.c_char.from_buffer(self._mapping))
 
-    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int] | None = None) -> torch.Tensor:
-        """``nbytes`` at ``offset`` as a 1-D tensor of ``dtype``, or of ``shape`` when given."""
-        count = nbytes // dtype.itemsize
-        tensor = torch.frombuffer(self._mapping, dtype=dtype, count=count, offset=offset)
-        if shape is not None and (len(shape) != 1 or shape[0] != count):
+    def carve(
+        self, offset: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int] | None = None
+    ) -> tuple[memoryview, torch.Tensor]:
+        """``nbytes`` (> 0) at ``offset``: their bytes, and a 1-D tensor of ``dtype`` over them (``shape`` if given).
+
+        The tensor is made from the byte view (which keeps the mapping alive):
+        ``torch.frombuffer`` of the mapping with ``count`` and ``offset`` cost
+        0.2 us more per storage, and the receive wants the view anyway.
+        """
+        view = self.view[offset : offset + nbytes]
+        tensor = torch.frombuffer(view, dtype=dtype)
+        if shape is not None and (len(shape) != 1 or shape[0] != nbytes // dtype.itemsize):
             tensor = tensor.view(shape)
-        return tensor
+        return view, tensor
 
 
 ARENA_ALIGN = 64

@@ -127,6 +127,11 @@ class ArenaLayout:
     sizes: list[int]
     offsets: list[int]  # buffers.arena_offsets(sizes)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes the arena spans (:func:`buffers.arena_size`, from the offsets)."""
+        return self.offsets[-1] + buffers.arena_size(self.sizes[-1:]) if self.sizes else 0
+
 
 @dataclass(frozen=True)
 class LandingPlan:
@@ -186,7 +191,7 @@ def plan_landing(parsed: ParsedHeader, targets: Any, options: LandingOptions) ->
         # Page faults of fresh memory would otherwise be taken one by one
         # inside the copy loop, after the network, on one core (buffers.Prefaulter).
         first = arena.storages[0]
-        region = PrefaultRegion(sum(storages[:first]), first, buffers.arena_size(arena.sizes), arena=True)
+        region = PrefaultRegion(sum(storages[:first]), first, arena.nbytes, arena=True)
         prefault = sorted([*prefault, region], key=lambda r: r.stream_offset)
     ordered: list[Placement] = placements  # type: ignore[assignment]  # every storage has one now
     return LandingPlan(ordered, arena, prefault, leaves, fresh_bytes)

@@ -91,10 +91,17 @@ class Destination:
         self.view = view
         self.device_bytes = device_bytes
         self.fresh = fresh
-        in_arena = isinstance(placement, landing.InArena)
-        self.in_place = placement.target if isinstance(placement, landing.InPlace | landing.InPlaceBounced) else None
-        self.exact = (in_arena or isinstance(placement, landing.Fresh)) and placement.exact is not None  # type: ignore[union-attr]
-        self.arena_offset = placement.offset if in_arena else -1  # type: ignore[union-attr]
+        if type(placement) is landing.InArena:  # most storages of a many-tensor receive: first
+            self.in_place = None
+            self.exact = placement.exact is not None
+            self.arena_offset = placement.offset
+            return
+        self.in_place = placement.target if isinstance(placement, _IN_PLACE) else None
+        self.exact = isinstance(placement, landing.Fresh) and placement.exact is not None
+        self.arena_offset = -1
+
+
+_IN_PLACE = (landing.InPlace, landing.InPlaceBounced)
 
 
 @dataclass
@@ -126,7 +133,7 @@ class Landed:
 
 def land(plan: landing.LandingPlan, prefault_threads: int) -> Landed:
     """Allocate what ``plan`` says and start faulting fresh memory in ahead of the data."""
-    arena = buffers.Arena(plan.arena.sizes) if plan.arena is not None else None
+    arena = buffers.Arena(plan.arena.sizes, plan.arena.offsets) if plan.arena is not None else None
     destinations = [_allocate(placement, arena) for placement in plan.placements]
     regions = []  # (stream offset, pointer, bytes)
     for region in plan.prefault:
@@ -146,10 +153,10 @@ def _allocate(placement: landing.Placement, arena: buffers.Arena | None) -> Dest
         assert arena is not None
         at, nbytes, exact = placement
         if exact is not None:
-            fresh = arena.tensor(at, nbytes, exact.dtype, exact.shape)
+            view, fresh = arena.carve(at, nbytes, exact.dtype, exact.shape)
         else:
-            fresh = arena.tensor(at, nbytes, torch.uint8)
-        return Destination(placement, arena.view[at : at + nbytes], fresh=fresh)
+            view, fresh = arena.carve(at, nbytes, torch.uint8)
+        return Destination(placement, view, None, fresh)
     empty = memoryview(b"")
     match placement:
         case landing.InPlace(local=local):

@@ -393,9 +393,27 @@ def fold(skeleton: Any, visit: Visit, paths: bool = True, tensor: TensorVisit | 
     of a known kind with the right arity and argument types (``accepts``), for
     a malformed dict item and for nesting deeper than :data:`MAX_DEPTH`.
     """
-    leaf: list[Any] = []  # the parts of every leaf (never written to)
+    if skeleton is None or type(skeleton) in _PLAIN_TYPES:
+        return skeleton
+    return _Folder(visit, paths, tensor).node(skeleton, (), 0)
 
-    def fold_node(node: Any, path: KeyPath, depth: int) -> Any:
+
+class _Folder:
+    """:func:`fold`'s walk. A class, not nested functions: two nested functions
+    that call each other reach each other through their closure cells, a
+    reference cycle that kept ``visit``'s objects (for :func:`build_tree`, the
+    whole received header) alive until the cyclic collector ran: a collection
+    of 246,000 objects, 38 ms, at the end of a receive of 20,480 tensors.
+    """
+
+    __slots__ = ("paths", "tensor", "visit")
+
+    def __init__(self, visit: Visit, paths: bool, tensor: TensorVisit | None) -> None:
+        self.visit = visit
+        self.paths = paths
+        self.tensor = tensor
+
+    def node(self, node: Any, path: KeyPath, depth: int) -> Any:
         # Plain values are returned by the callers below without a call (most dict
         # keys are); the kind's checks are inline: this runs for every node of every header.
         if not isinstance(node, list) or not node or not isinstance(node[0], str):
@@ -406,43 +424,45 @@ def fold(skeleton: Any, visit: Visit, paths: bool = True, tensor: TensorVisit | 
             raise ProtocolError(f"{format_path(path)}: unknown or malformed node tag {node[0]!r}")
         shape = kind.shape
         if shape is _LEAF:
-            return visit(kind, args, leaf, path)
+            return self.visit(kind, args, _NO_PARTS, path)
         children = args[-1]
         if not isinstance(children, list):
             raise ProtocolError(f"{format_path(path)}: unknown or malformed node tag {node[0]!r}")
         if children and depth >= MAX_DEPTH:
             raise ProtocolError(f"{format_path(path)}: nesting deeper than {MAX_DEPTH}")
         depth += 1
+        paths = self.paths
+        child = self.child
         if shape is _ITEMS:
             parts = [
                 item
                 if item is None or type(item) in _PLAIN_TYPES
-                else fold_child(item, (*path, i) if paths else path, depth)
+                else child(item, (*path, i) if paths else path, depth)
                 for i, item in enumerate(children)
             ]
-            return visit(kind, args, parts, path)
+            return self.visit(kind, args, parts, path)
         parts = []
         for pair in children:
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ProtocolError(f"{format_path(path)}: malformed dict item")
             key, value = pair
             if key is not None and type(key) not in _PLAIN_TYPES:
-                key = fold_node(key, path, depth)
+                key = self.node(key, path, depth)
             if value is not None and type(value) not in _PLAIN_TYPES:
-                value = fold_child(value, (*path, key) if paths else path, depth)
+                value = child(value, (*path, key) if paths else path, depth)
             parts.append((key, value))
-        return visit(kind, args, parts, path)
+        return self.visit(kind, args, parts, path)
 
-    def fold_child(node: Any, path: KeyPath, depth: int) -> Any:
-        # A tensor node straight to ``tensor``: exactly the nodes fold_node
-        # would send to visit(TENSOR, ...) (a list of the tag and one argument).
+    def child(self, node: Any, path: KeyPath, depth: int) -> Any:
+        # A tensor node straight to ``tensor``: exactly the nodes node() would
+        # send to visit(TENSOR, ...) (a list of the tag and one argument).
+        tensor = self.tensor
         if tensor is not None and type(node) is list and len(node) == 2 and node[0] == TAG_TENSOR:
             return tensor(node[1], path)
-        return fold_node(node, path, depth)
+        return self.node(node, path, depth)
 
-    if skeleton is None or type(skeleton) in _PLAIN_TYPES:
-        return skeleton
-    return fold_node(skeleton, (), 0)
+
+_NO_PARTS: list[Any] = []  # the parts of every leaf (never written to)
 
 
 def walk(skeleton: Any) -> Iterator[tuple[str, list[Any]]]:
