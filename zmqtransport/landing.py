@@ -184,8 +184,13 @@ def plan_landing(parsed: ParsedHeader, targets: Any, options: LandingOptions) ->
         ]
     arena = _arena_layout(parsed.header, placements)
     if arena is not None:
+        specs = parsed.specs
         for storage, nbytes, offset in zip(arena.storages, arena.sizes, arena.offsets, strict=True):
-            placements[storage] = InArena(offset, nbytes, _exact_spec(parsed.specs, sole[storage], nbytes))
+            index = sole[storage]  # _exact_spec, inline: this runs for every small storage
+            exact = specs[index] if index >= 0 else None
+            placements[storage] = InArena(
+                offset, nbytes, exact if exact is not None and _whole(exact, nbytes) else None
+            )
     prefault = _fill_fresh(placements, storages, parsed.specs, sole, options.huge_pages)
     if arena is not None:
         # Page faults of fresh memory would otherwise be taken one by one

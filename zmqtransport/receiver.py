@@ -132,31 +132,52 @@ class Landed:
 
 
 def land(plan: landing.LandingPlan, prefault_threads: int) -> Landed:
-    """Allocate what ``plan`` says and start faulting fresh memory in ahead of the data."""
+    """Allocate what ``plan`` says and start faulting fresh memory in ahead of the data.
+
+    The arena's tensors are carved out last, once the prefaulter runs: carving
+    touches no page, so faulting the arena in (one fault per 4 KiB) overlaps
+    with that per-storage Python work instead of with the data.
+    """
     arena = buffers.Arena(plan.arena.sizes, plan.arena.offsets) if plan.arena is not None else None
-    destinations = [_allocate(placement, arena) for placement in plan.placements]
+    in_arena = landing.InArena
+    outside = [None if type(p) is in_arena else _allocate(p, None) for p in plan.placements]
     regions = []  # (stream offset, pointer, bytes)
     for region in plan.prefault:
         if region.arena:
             assert arena is not None
             regions.append((region.stream_offset, arena.pointer, region.nbytes))
         else:
-            fresh = destinations[region.storage].fresh
+            fresh = outside[region.storage].fresh  # type: ignore[union-attr]  # never in the arena
             assert fresh is not None
             regions.append((region.stream_offset, fresh.data_ptr(), region.nbytes))
     prefaulter = buffers.Prefaulter.start(regions, prefault_threads)
+    try:
+        if arena is None:
+            destinations: list[Destination] = outside  # type: ignore[assignment]  # nothing left to carve
+        else:
+            # (None in ``outside``: an InArena placement)
+            pairs = zip(plan.placements, outside, strict=True)
+            destinations = [_carve(p, arena) if d is None else d for p, d in pairs]  # type: ignore[arg-type]
+    except BaseException:
+        if prefaulter is not None:
+            prefaulter.close()  # before the fresh memory can be freed
+        raise
     return Landed(plan, destinations, arena, prefaulter)
 
 
+def _carve(placement: landing.InArena, arena: buffers.Arena) -> Destination:
+    at, nbytes, exact = placement
+    if exact is not None:
+        view, fresh = arena.carve(at, nbytes, exact.dtype, exact.shape)
+    else:
+        view, fresh = arena.carve(at, nbytes, torch.uint8)
+    return Destination(placement, view, None, fresh)
+
+
 def _allocate(placement: landing.Placement, arena: buffers.Arena | None) -> Destination:
-    if type(placement) is landing.InArena:  # most storages of a many-tensor receive: no match chain
+    if isinstance(placement, landing.InArena):
         assert arena is not None
-        at, nbytes, exact = placement
-        if exact is not None:
-            view, fresh = arena.carve(at, nbytes, exact.dtype, exact.shape)
-        else:
-            view, fresh = arena.carve(at, nbytes, torch.uint8)
-        return Destination(placement, view, None, fresh)
+        return _carve(placement, arena)
     empty = memoryview(b"")
     match placement:
         case landing.InPlace(local=local):

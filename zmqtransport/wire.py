@@ -85,7 +85,8 @@ def check_version(message: dict[str, Any], who: str) -> None:
     version = message.get("v")
     if version != PROTOCOL_VERSION:
         raise VersionMismatchError(
-            f"protocol version mismatch: {who} speaks version {version!r}, this side speaks version {PROTOCOL_VERSION}"
+            f"protocol version mismatch: {who} speaks version {version!r}, "
+            f"this side speaks version {PROTOCOL_VERSION}"
         )
 
 

@@ -176,7 +176,8 @@ def _encode_pickle(obj: Any, encoder: _Encoder, path: KeyPath) -> list[Any]:
 def _check_pickle(args: list[Any], path: KeyPath, index: _Index) -> Any:
     if not index.allow_pickle:
         raise ProtocolError(
-            f"{format_path(path)}: the peer sent a pickled object and this receiver has allow_pickle=False; refusing it"
+            f"{format_path(path)}: the peer sent a pickled object and this receiver "
+            "has allow_pickle=False; refusing it"
         )
     return (TAG_PICKLE, args[0])  # hashability unknown until unpickled (trusted peer)
 
@@ -208,7 +209,12 @@ def _check_namedtuple(args: list[Any], path: KeyPath, index: _Index) -> Any:
 
 def _valid_field(name: Any) -> bool:
     """Whether collections.namedtuple accepts ``name`` as a field name."""
-    return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name) and not name.startswith("_")
+    return (
+        isinstance(name, str)
+        and name.isidentifier()
+        and not keyword.iskeyword(name)
+        and not name.startswith("_")
+    )
 
 
 def _build_namedtuple(args: list[Any], parts: list[Any], builders: Builders) -> Any:
@@ -245,7 +251,9 @@ def _stand_in(name: str, fields: tuple[str, ...]) -> type:
 # ----------------------------------------------------------------------------- the table
 
 LIST = NodeKind(TAG_LIST, 1, Shape.ITEMS, (list,), _no_arguments, lambda args, parts, b: parts)
-TUPLE = NodeKind(TAG_TUPLE, 1, Shape.ITEMS, (tuple,), _no_arguments, lambda args, parts, b: tuple(parts), hashable=True)
+TUPLE = NodeKind(
+    TAG_TUPLE, 1, Shape.ITEMS, (tuple,), _no_arguments, lambda args, parts, b: tuple(parts), hashable=True
+)
 DICT = NodeKind(TAG_DICT, 1, Shape.PAIRS, (dict,), _no_arguments, lambda args, parts, b: dict(parts))
 ORDERED_DICT = NodeKind(
     TAG_ORDERED_DICT,
@@ -496,7 +504,10 @@ class _Encoder:
             node.append([self.encode(v, (*path, i), depth + 1) for i, v in enumerate(obj)])
         elif kind.shape is _PAIRS:
             node.append(
-                [[self.encode(k, (*path, k), depth + 1), self.encode(v, (*path, k), depth + 1)] for k, v in obj.items()]
+                [
+                    [self.encode(k, (*path, k), depth + 1), self.encode(v, (*path, k), depth + 1)]
+                    for k, v in obj.items()
+                ]
             )
         return node
 

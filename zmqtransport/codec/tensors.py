@@ -165,13 +165,14 @@ def decode_tensor_table(entries: Any, storage_nbytes: list[int]) -> list[TensorS
         raise ProtocolError("tensor table must be a list")
     specs: list[TensorSpec] = []
     append = specs.append
+    n_storages = len(storage_nbytes)
     for number, entry in enumerate(entries):
-        spec = _valid_spec(entry, storage_nbytes)
+        spec = _valid_spec(entry, storage_nbytes, n_storages)
         append(spec if spec is not None else _decode_entry(number, entry, storage_nbytes))
     return specs
 
 
-def _valid_spec(entry: Any, storage_nbytes: list[int]) -> TensorSpec | None:
+def _valid_spec(entry: Any, storage_nbytes: list[int], n_storages: int) -> TensorSpec | None:
     """``entry`` as a spec when it is valid, else None (refused by :func:`_decode_entry`, same rules).
 
     The per-tensor cost of a receive of many small tensors: 20,480 entries took
@@ -183,7 +184,7 @@ def _valid_spec(entry: Any, storage_nbytes: list[int]) -> TensorSpec | None:
     storage, name, shape, stride, offset, requires_grad, is_param = entry
     if not (
         type(storage) is int
-        and 0 <= storage < len(storage_nbytes)
+        and 0 <= storage < n_storages
         and type(name) is str
         and type(shape) is list
         and type(stride) is list
