@@ -450,6 +450,7 @@ class _Folder:
             ]
             return self.visit(kind, args, parts, path)
         parts = []
+        tensor = self.tensor
         for pair in children:
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ProtocolError(f"{format_path(path)}: malformed dict item")
@@ -457,7 +458,11 @@ class _Folder:
             if key is not None and type(key) not in _PLAIN_TYPES:
                 key = self.node(key, path, depth)
             if value is not None and type(value) not in _PLAIN_TYPES:
-                value = child(value, (*path, key) if paths else path, depth)
+                at = (*path, key) if paths else path
+                if tensor is not None and type(value) is list and len(value) == 2 and value[0] == TAG_TENSOR:
+                    value = tensor(value[1], at)  # child(), inline: most values of a state dict are tensors
+                else:
+                    value = self.node(value, at, depth)
             parts.append((key, value))
         return self.visit(kind, args, parts, path)
 
@@ -579,8 +584,9 @@ class _Index:
         if kind.shape is _LEAF:
             return key
         if kind.shape is _PAIRS:
-            if any(key is _UNHASHABLE for key, _ in parts):
-                raise ProtocolError(f"{format_path(path)}: unhashable dict key")
+            for key, _ in parts:
+                if key is _UNHASHABLE:
+                    raise ProtocolError(f"{format_path(path)}: unhashable dict key")
             return _UNHASHABLE
         keys = tuple(parts)
         return keys if kind.hashable and _UNHASHABLE not in keys else _UNHASHABLE
