@@ -57,33 +57,30 @@ def parse_header(header: wire.Header, allow_pickle: bool) -> ParsedHeader:
 # ----------------------------------------------------------------------------- placements
 
 
-@dataclass(frozen=True)
-class InPlace:
+# Placements are named tuples, not frozen dataclasses: a receive makes one per
+# storage, and a frozen dataclass's __init__ cost 1.1 us against 0.35 us,
+# 22 ms of a receive of 20,480 small tensors.
+
+
+class InPlace(NamedTuple):
     """Into the caller's CPU tensor ``local`` (``target`` itself, or the shard of a DTensor)."""
 
     target: Any
     local: torch.Tensor
 
 
-@dataclass(frozen=True)
-class InPlaceBounced:
+class InPlaceBounced(NamedTuple):
     """Into the caller's device tensor ``local``, through pinned bounce buffers."""
 
     target: Any
     local: torch.Tensor
 
 
-@dataclass(frozen=True)
-class FreshBounced:
+class FreshBounced(NamedTuple):
     """Fresh memory on a staged ``device``, filled through pinned bounce buffers."""
 
     nbytes: int
     device: torch.device
-
-
-# The two placements a receive makes one of per fresh storage are named
-# tuples, not frozen dataclasses: a frozen dataclass's __init__ cost 1.1 us,
-# 22 ms of a receive of 20,480 small tensors.
 
 
 class InArena(NamedTuple):
@@ -274,10 +271,15 @@ def local_tensor(target: Any) -> torch.Tensor | None:
     """The tensor whose memory an in-place target offers: itself, or a DTensor's local shard."""
     if target is None:
         return None
+    if type(target) in _PLAIN_TENSORS:  # no attribute lookup: a miss on a tensor costs 0.5 us
+        return target  # type: ignore[no-any-return]
     local = getattr(target, "_local_tensor", None)  # DTensor: write into its shard
     if isinstance(local, torch.Tensor):
         return local
     return target if isinstance(target, torch.Tensor) else None
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _exact_spec(specs: list[TensorSpec], sole: int, nbytes: int) -> TensorSpec | None:
