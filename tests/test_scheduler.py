@@ -539,3 +539,90 @@ def test_a_closed_connection_drops_its_transfers_but_keeps_parked_requests(net: 
     assert set(net.scheduler.transfers) == {(b"b", 2)}
     net.pump()
     assert net.data(b"a") == [] and net.data(b"b") == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- span fetches (striped receives)
+
+
+def span(xfer: int, first: int, stop: int, stage: int, **kwargs: Any) -> wire.Request:
+    return fetch(xfer=xfer, credit=stop - first, span=(first, stop), stage=stage, **kwargs)
+
+
+def test_span_fetch_sends_only_its_messages_and_no_header(net: Net) -> None:
+    step = staged(messages=10)
+    net.execute(net.scheduler.stage(step, net.now))
+    net.request(b"a", fetch(xfer=1, header_only=True))
+    net.request(b"a", span(2, 3, 7, step.stage_id))
+    net.request(b"b", span(3, 7, 10, step.stage_id))
+    net.pump()
+    assert net.ops(b"a") == [("header", None), ("end", None), ("end", None)]
+    assert net.data(b"a", 2) == [3, 4, 5, 6]
+    assert net.ops(b"b") == [("end", None)]
+    assert net.data(b"b", 3) == [7, 8, 9]
+    assert sorted(xfer for _, xfer, _ in net.finished) == [2, 3]
+
+
+def test_span_fetch_of_an_earlier_staging_or_beyond_the_plan_is_refused(net: Net) -> None:
+    first = staged(messages=10)
+    net.execute(net.scheduler.stage(first, net.now))
+    again = staged(messages=10)  # the same step staged again: maybe other bytes
+    net.execute(net.scheduler.stage(again, net.now))
+    net.request(b"a", span(1, 0, 4, first.stage_id))
+    net.request(b"a", span(2, 8, 11, again.stage_id))
+    net.request(b"a", span(3, 0, 4, again.stage_id, step=STEP + 1))
+    assert net.ops(b"a") == [
+        ("error", wire.ERR_WRONG_STEP),
+        ("error", wire.ERR_BAD_REQUEST),
+        ("error", wire.ERR_WRONG_STEP),
+    ]
+    assert net.scheduler.transfers == {}
+
+
+def test_span_credit_bounds_what_is_sent_and_cancel_stops_it(net: Net) -> None:
+    step = staged(messages=10)
+    net.execute(net.scheduler.stage(step, net.now))
+    net.request(b"a", fetch(xfer=9, credit=2, span=(2, 9), stage=step.stage_id))
+    net.pump()
+    assert net.data(b"a", 9) == [2, 3]
+    net.request(b"a", credit(9, 1))
+    net.pump()
+    assert net.data(b"a", 9) == [2, 3, 4]
+    net.request(b"a", wire.Request(wire.OP_CANCEL, 9))
+    net.request(b"a", credit(9, 5))
+    net.pump()
+    assert net.data(b"a", 9) == [2, 3, 4] and net.finished == []
+
+
+def test_header_announces_the_staging_id() -> None:
+    scheduler = Scheduler(TIMEOUT)
+    step = staged()
+    scheduler.stage(step, 0.0)
+    actions = scheduler.on_request(b"a", fetch(header_only=True), "addr", 0.0)
+    assert isinstance(actions[0], SendHeader) and actions[0].stage_id == step.stage_id
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"span": [0, 4]},  # no stage
+        {"stage": 5},  # no span
+        {"span": [4, 4], "stage": 5},
+        {"span": [-1, 4], "stage": 5},
+        {"span": [0, 2**33], "stage": 5},
+        {"span": [0, True], "stage": 5},
+        {"span": [0, 4, 8], "stage": 5},
+        {"span": [0, 4], "stage": -1},
+        {"span": "0-4", "stage": 5},
+    ],
+)
+def test_malformed_span_fields_are_refused(fields: dict[str, Any]) -> None:
+    message = {"v": wire.PROTOCOL_VERSION, "op": wire.OP_FETCH, "id": 1, "step": 1, "wait_ms": 0, "credit": 1}
+    with pytest.raises(ProtocolError):
+        wire.decode_request(msgpack.packb({**message, **fields}))
+
+
+def test_span_fields_round_trip_and_plain_fetch_is_unchanged() -> None:
+    plain = wire.fetch_request(1, 2, 3, 4, False)
+    assert b"span" not in plain and b"stage" not in plain
+    request = wire.decode_request(wire.fetch_request(1, 2, 3, 4, False, span=(5, 9), stage=77))
+    assert request.span == (5, 9) and request.stage == 77

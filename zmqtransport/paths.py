@@ -14,8 +14,10 @@ and keeps the most preferred one that connects:
   listening since the race began when the path that connected first was never
   refused; otherwise (a receiver that started before its source) only since
   that first connection, and an earlier refusal is tried again;
-* the other DEALERs are closed before the request is sent, so the source
-  serves one connection per receive, as with a single path;
+* with one connection (``streams=1``) the other DEALERs are closed before the
+  request is sent, so the source serves one connection per receive, as with a
+  single path; a striped receive keeps them (``connect_first(keep=True)``)
+  and stripes the data over every one that connects (:mod:`zmqtransport.striped`);
 * while no path connects the receive keeps waiting (the source may not be
   listening yet, exactly as with one path), until the transfer timeout.
 
@@ -72,8 +74,12 @@ class PathChoice:
         seen = self.source_seen_at
         if seen is None:
             return False
+        return self.refused(index) or now >= seen + self.bound
+
+    def refused(self, index: int) -> bool:
+        """Whether path ``index`` was refused while the source listened (no listener there: final)."""
         refused = self.refused_at[index]
-        return (refused is not None and refused >= self.listening_since) or now >= seen + self.bound
+        return refused is not None and refused >= self.listening_since
 
     def choice(self, now: float) -> int | None:
         """The path to use now, or None while it is too early to say."""
@@ -132,19 +138,23 @@ def open_candidate(
 
 
 def connect_first(
-    candidates: Sequence[Candidate], deadline: float, bound: float = CONNECT_BOUND
-) -> tuple[Candidate | None, str]:
-    """Connect every candidate, keep the one :class:`PathChoice` picks and close the others.
+    candidates: Sequence[Candidate], deadline: float, bound: float = CONNECT_BOUND, keep: bool = False
+) -> tuple[Candidate | None, list[Candidate], str]:
+    """Connect every candidate and pick one with :class:`PathChoice`.
 
     Returns the winner (None if none was chosen by ``deadline``; then every
-    candidate is closed) and a description of each path's fate. A candidate's
-    socket must not be connected yet; the caller still owns the winner.
+    candidate is closed), the others kept open (``keep``: every candidate not
+    refused while the source listened, in order of preference, for a striped
+    receive; they may still be connecting; else none) and a description of
+    each path's fate. A candidate's socket must not be connected yet; the
+    caller owns the winner and the kept ones.
     """
     choice = PathChoice(len(candidates), bound)
     poller = zmq.Poller()
     for candidate in candidates:
         poller.register(candidate.watch.monitor, zmq.POLLIN)
     winner: Candidate | None = None
+    kept: list[Candidate] = []
     try:
         for candidate in candidates:
             candidate.socket.connect(candidate.path.endpoint)
@@ -156,6 +166,8 @@ def connect_first(
             chosen = choice.choice(now)
             if chosen is not None:
                 winner = candidates[chosen]
+                if keep:
+                    kept = [c for i, c in enumerate(candidates) if c is not winner and not choice.refused(i)]
                 break
             if now >= deadline:
                 break
@@ -164,7 +176,7 @@ def connect_first(
             poller.poll(max(0, math.ceil((wake - now) * 1000)))
     finally:
         for candidate in candidates:
-            if candidate is not winner:
+            if candidate is not winner and candidate not in kept:
                 with contextlib.suppress(zmq.ZMQError):
                     candidate.close()
-    return winner, choice.describe([candidate.path for candidate in candidates])
+    return winner, kept, choice.describe([candidate.path for candidate in candidates])

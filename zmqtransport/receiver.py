@@ -27,13 +27,13 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, liveness, paths, wire
+from . import buffers, landing, liveness, paths, relaying, striped, wire
 from .codec import dtensor
 from .codec.paths import format_path
 from .codec.skeleton import build_tree
 from .device import CPU, DeviceStaging, RecvUnstager, fresh_storage, tensor_bytes
 from .errors import ConnectionLostError, IntegrityError, ProtocolError, RemoteError, StalledError
-from .net import PeerAddress
+from .net import PeerAddress, parse_metadata
 from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,23 @@ class FetchOptions:
     prefault_threads: int = 2  # threads faulting fresh storage in ahead of the data
     # Fail a transfer whose source sends nothing for this long (seconds; None: only the timeout).
     stall_timeout: float | None = None
+    # Connections per receive (docs/protocol.md, "Spans"): None, one per path
+    # the source advertises; 1, a single connection as before spans existed.
+    streams: int | None = None
+    # Relaying (docs/protocol.md, "Relays"): where this receiver serves (its
+    # transport's metadata; None: it does not relay), its server, and the
+    # socket options for fetching from a relay the source names.
+    relay_at: str | None = None
+    relay_host: relaying.RelayHost | None = None
+    configure_for: Callable[[PeerAddress], Callable[[zmq.Socket[Any]], None] | None] | None = None
+
+    def striped(self, address: PeerAddress) -> bool:
+        """Whether a receive from ``address`` fetches its data in spans (several connections, or relaying)."""
+        if self.relay_at is not None:
+            return True
+        if self.streams is None:
+            return bool(address.more_paths)
+        return self.streams > 1
 
 
 # ----------------------------------------------------------------------------- executing a landing plan
@@ -234,6 +251,12 @@ class _Receiver:
         self.xfer = random.getrandbits(63)
         self.stats = TransferStats(peer=address.endpoint, step=step)
         self.parsed: landing.ParsedHeader | None = None  # set once the header is validated
+        self.stage: int | None = None  # the staging's id, from a sender that serves span fetches
+        self.relay_order: wire.RelayOrder | None = None  # what the source said about relaying
+        self.duty: relaying.RelayDuty | None = None  # serving what lands to the downstream
+        self.spare: list[paths.Candidate] = []  # further paths' DEALERs kept for a striped receive
+        self.extra: list[paths.Candidate] = []  # further connections opened for a striped receive
+        self.path = address.paths[0]  # the path of self.socket
         self.bounce_bytes = 0  # size of each pinned bounce buffer (device receives only)
         # Closed again if configuring it fails (a bad key, say): a socket left
         # open would make the transport's shutdown wait forever in Context.term().
@@ -242,7 +265,7 @@ class _Receiver:
         first = paths.open_candidate(context, address.paths[0], self._configure, options.stall_timeout, racing)
         self.socket, self.source = first.socket, first.watch
 
-    def _configure(self, sock: zmq.Socket[Any]) -> None:
+    def _configure(self, sock: zmq.Socket[Any], peer_options: bool = True) -> None:
         sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
         # An explicit routing id survives a reconnect, so a sender that had to
@@ -250,8 +273,8 @@ class _Receiver:
         # answer a request it parked before. Ids must not start with a zero byte.
         sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
         liveness.configure_heartbeats(sock, self.options.stall_timeout)
-        if self.options.configure is not None:
-            self.options.configure(sock)
+        if peer_options and self.options.configure is not None:
+            self.options.configure(sock)  # the source's (CurveZMQ server key)
 
     # ----------------------------------------------------------------- socket helpers
 
@@ -320,8 +343,11 @@ class _Receiver:
 
     # ----------------------------------------------------------------- phases
 
-    def _connect(self) -> None:
-        """Connect to the only path, or to the most preferred of several that connects (:mod:`zmqtransport.paths`)."""
+    def _connect(self, keep: bool) -> None:
+        """Connect to the only path, or to the most preferred of several that connects (:mod:`zmqtransport.paths`).
+
+        ``keep``: a striped receive keeps the other paths' DEALERs in :attr:`spare`.
+        """
         if not self.address.more_paths:
             self.socket.connect(self.endpoint)
             return
@@ -333,21 +359,31 @@ class _Receiver:
             for candidate in candidates[1:]:
                 candidate.close()
             raise
-        winner, tried = paths.connect_first(candidates, self.deadline)
+        winner, self.spare, tried = paths.connect_first(candidates, self.deadline, keep=keep)
         if winner is None:
             raise TimeoutError(
                 f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for a connection to "
                 f"{self._peer(at=False)} (step {self.step}); paths tried: {tried}"
             )
         self.socket, self.source, self.endpoint = winner.socket, winner.watch, winner.path.endpoint
+        self.path = winner.path
         self.stats.peer = self.endpoint
         logger.debug("%s: using path %s of %s", self._peer(at=False), self.endpoint, tried)
 
-    def request(self, header_only: bool = False) -> None:
-        self._connect()
+    def request(self, header_only: bool = False, keep_paths: bool = False) -> None:
+        self._connect(keep_paths)
+        self.send_request(header_only)
+
+    def send_request(self, header_only: bool = False) -> None:
         wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
         request = wire.fetch_request(
-            self.xfer, self.step, wait_ms, self.options.window, self.options.allow_pickle, header_only
+            self.xfer,
+            self.step,
+            wait_ms,
+            self.options.window,
+            self.options.allow_pickle,
+            header_only,
+            relay=self.options.relay_at if header_only else None,
         )
         self.socket.send(request)
 
@@ -355,6 +391,11 @@ class _Receiver:
         message = self._recv_envelope("the checkpoint header")
         if message["op"] != wire.OP_HEADER or not self._more():
             raise ProtocolError(f"expected a header, got {message['op']!r}")
+        stage = message.get("stage")
+        if stage is not None and (type(stage) is not int or not 0 <= stage < 2**64):
+            raise ProtocolError(f"header field 'stage' must be an unsigned 64-bit integer, got {stage!r}")
+        self.stage = stage
+        self.relay_order = wire.decode_relay_order(message.get("relay")) if self.options.relay_at else None
         body = self.socket.recv()
         self._expect_no_more("the header")
         header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
@@ -378,14 +419,7 @@ class _Receiver:
             message = self._recv_envelope(f"data message {seq} of {len(chunks)}", in_transfer=True)
             if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
                 raise ProtocolError(f"expected data message {seq}, got {message.get('op')!r} {message.get('seq')!r}")
-            bounced = unstager is not None and unstager.wants(pieces)
-            payload = self._receive_payload(seq, pieces, landed, unstager if bounced else None)
-            self._expect_no_more(f"data message {seq}")
-            if header.checksum is not None and message.get("crc") != zlib.crc32(payload):
-                assert self.parsed is not None  # data only follows a validated header
-                raise _integrity_error(self.parsed, seq, pieces, self.endpoint, self.step)
-            if unstager is not None and bounced:
-                unstager.deliver(pieces)
+            payload = self.land_message(self.socket, seq, message, landed, unstager, pieces)
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < len(chunks):
                 self.socket.send(wire.credit_request(self.xfer, unacknowledged))
@@ -398,8 +432,40 @@ class _Receiver:
                 progress(done, header.total_bytes)
         self.receive_end()
 
+    def land_message(
+        self,
+        socket: zmq.Socket[Any],
+        seq: int,
+        envelope: dict[str, Any],
+        landed: Landed,
+        unstager: RecvUnstager | None,
+        pieces: list[wire.Piece],
+    ) -> memoryview:
+        """Receive data message ``seq``'s payload (after ``envelope``) on ``socket`` where it belongs.
+
+        Checks its size and checksum and queues its copies to device memory;
+        returns the bytes received. Used by one stream or several (striped).
+        """
+        bounced = unstager is not None and unstager.wants(pieces)
+        payload = self._receive_payload(socket, seq, pieces, landed, unstager if bounced else None)
+        if socket.getsockopt(zmq.RCVMORE):
+            while socket.getsockopt(zmq.RCVMORE):
+                socket.recv()
+            raise ProtocolError(f"data message {seq} carries unexpected extra frames")
+        assert self.parsed is not None  # data only follows a validated header
+        if self.parsed.header.checksum is not None and envelope.get("crc") != zlib.crc32(payload):
+            raise _integrity_error(self.parsed, seq, pieces, self.endpoint, self.step)
+        if unstager is not None and bounced:
+            unstager.deliver(pieces)
+        return payload
+
     def _receive_payload(
-        self, seq: int, pieces: list[wire.Piece], landed: Landed, unstager: RecvUnstager | None
+        self,
+        socket: zmq.Socket[Any],
+        seq: int,
+        pieces: list[wire.Piece],
+        landed: Landed,
+        unstager: RecvUnstager | None,
     ) -> memoryview:
         """Receive data message ``seq``'s payload where it belongs; return the bytes received."""
         what = f"data message {seq}"
@@ -407,17 +473,17 @@ class _Receiver:
         if unstager is not None:
             # Device memory: into a pinned bounce buffer; its copies to the
             # device are queued after the checksum and overlap the next frames.
-            return recv_exact(self.socket, unstager.buffer(expected, self.bounce_bytes), what, expected)
+            return recv_exact(socket, unstager.buffer(expected, self.bounce_bytes), what, expected)
         destinations = landed.destinations
         if len(pieces) == 1:
             piece = pieces[0]
             view = destinations[piece.storage].view[piece.start : piece.start + piece.length]
-            return recv_exact(self.socket, view, what, expected)
+            return recv_exact(socket, view, what, expected)
         run = landed.arena_run(pieces)
         if run is not None:
             # Packed storages that lie back to back in the arena: straight into place.
-            return recv_exact(self.socket, run, what, expected)
-        payload = recv_exact(self.socket, None, what, expected)
+            return recv_exact(socket, run, what, expected)
+        payload = recv_exact(socket, None, what, expected)
         at = 0
         for piece in pieces:
             destinations[piece.storage].view[: piece.length] = payload[at : at + piece.length]
@@ -430,11 +496,127 @@ class _Receiver:
             raise ProtocolError(f"expected the end marker, got {message['op']!r}")
         self._expect_no_more("the end marker")
 
+    def fall_back_to_one_stream(self) -> None:
+        """The source serves no span fetches: drop the other paths, fetch everything on this connection."""
+        for candidate in self.spare:
+            candidate.close()
+        self.spare = []
+        self.xfer = random.getrandbits(63)
+        self.send_request()
+
+    def receive_striped(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None) -> None:
+        """Receive every data message in spans (:mod:`zmqtransport.striped`), relaying if the source said so."""
+        chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        if unstager is not None:
+            self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
+        assert self.stage is not None  # only a sender that serves spans gets here
+        request = striped.Request(
+            self.step, self.stage, self.options.allow_pickle, self.deadline, self.options.stall_timeout
+        )
+        duty = self.duty
+        if duty is not None:
+            duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
+            if duty.stopped:
+                duty = None
+        streams = self._open_streams()
+        run = striped.StripedReceive(
+            streams,
+            chunks,
+            request,
+            lambda socket, seq, envelope: self.land_message(socket, seq, envelope, landed, unstager, chunks[seq]),
+            striped.span_messages(header.chunk_bytes),
+            self.options.progress,
+        )
+
+        def on_landed(seq: int, crc: int | None) -> None:
+            if landed.prefaulter is not None:
+                landed.prefaulter.received = run.prefix_bytes()  # its workers skip what the data has reached
+            if duty is not None:
+                duty.landed(seq, crc)
+
+        try:
+            run.run(on_landed)
+            if duty is not None:
+                duty.finish()
+        finally:
+            self._record(streams, run)
+
+    def _record(self, streams: list[striped.Stream], run: striped.StripedReceive) -> None:
+        self.stats.streams = len(streams)
+        self.stats.messages = sum(stream.messages for stream in streams)
+        self.stats.duplicate_messages = run.duplicates
+        for stream in streams:
+            if stream.bytes:
+                endpoint = stream.path.endpoint
+                self.stats.paths[endpoint] = self.stats.paths.get(endpoint, 0) + stream.bytes
+
+    def _open_streams(self) -> list[striped.Stream]:
+        """This receive's connections: the header's, the other paths' kept ones, and more up to ``streams``."""
+        candidates = [paths.Candidate(self.path, self.socket, self.source), *self.spare]
+        count = self.options.streams if self.options.streams is not None else len(candidates)
+        for candidate in candidates[count:]:
+            candidate.close()
+        candidates = candidates[:count]
+        now = time.monotonic()
+        for candidate in candidates:
+            candidate.watch.read_events(now)
+        # More connections than paths: spread over the paths that are up, most preferred first.
+        targets = [c.path for c in candidates if c.watch.state.established] or [self.path]
+        for extra in range(count - len(candidates)):
+            path = targets[extra % len(targets)]
+            candidate = paths.open_candidate(self.context, path, self._configure, self.options.stall_timeout, False)
+            self.extra.append(candidate)
+            candidate.socket.connect(path.endpoint)
+            candidates.append(candidate)
+        self.spare = candidates[1:]
+        streams = [striped.Stream(c.path, c.socket, c.watch) for c in candidates]
+        order = self.relay_order
+        if order is not None and order.upstream is not None:
+            # Fetch from the relay the source named; the source's connections stand by.
+            for stream in streams:
+                stream.standby = True
+            streams[:0] = self._open_relay_streams(order)
+        return streams
+
+    def _open_relay_streams(self, order: wire.RelayOrder) -> list[striped.Stream]:
+        """One connection per path of the upstream relay, showing the token the source gave for it."""
+        assert order.upstream is not None
+        try:
+            upstream = parse_metadata(order.upstream)
+        except ValueError as exc:
+            raise ProtocolError(f"the source named a relay with malformed metadata: {exc}") from None
+        configure_for = self.options.configure_for
+        extra_options = configure_for(upstream) if configure_for is not None else None
+
+        def configure(sock: zmq.Socket[Any]) -> None:
+            self._configure(sock, peer_options=False)
+            if extra_options is not None:
+                extra_options(sock)
+
+        streams = []
+        for path in upstream.paths:
+            candidate = paths.open_candidate(self.context, path, configure, self.options.stall_timeout, False)
+            self.extra.append(candidate)
+            candidate.socket.connect(path.endpoint)
+            streams.append(striped.Stream(path, candidate.socket, candidate.watch, token=order.upstream_token))
+        return streams
+
     def cancel(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
 
+    def start_relaying(self, header: wire.Header) -> None:
+        """Register as a relay as soon as the header is here, if the source asked (see :mod:`.relaying`)."""
+        if self.stage is None or self.relay_order is None:
+            return
+        chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        self.duty = relaying.RelayDuty.start(self.options.relay_host, self.relay_order, self.step, self.stage, chunks)
+
     def close(self) -> None:
+        if self.duty is not None:
+            self.duty.stop()  # before anything is handed to the caller, whatever happened
+        for candidate in (*self.spare, *self.extra):
+            candidate.close()
         self.source.close()
         self.socket.close(linger=0)
 
@@ -560,15 +742,28 @@ def _fetch(
     started = time.monotonic()
     landed: Landed | None = None
     try:
-        receiver.request()
+        stripe = options.striped(address)
+        # A striped receive asks for the header alone, then for spans on every connection.
+        receiver.request(header_only=stripe, keep_paths=stripe)
         parsed = receiver.receive_header()
+        if stripe:
+            receiver.receive_end()
+            if receiver.stage is None:
+                # A sender from before span fetches: one connection, as it expects.
+                stripe = False
+                receiver.fall_back_to_one_stream()
+                parsed = receiver.receive_header()
+            receiver.start_relaying(parsed.header)
         receiver.stats.header_seconds = time.monotonic() - started
         # Refused (absurd sizes) before anything is allocated.
         plan = landing.plan_landing(parsed, targets, _landing_options(options))
         landed = land(plan, options.prefault_threads)
         unstager = RecvUnstager.borrow(options.staging, landed.destinations)
         try:
-            receiver.receive_data(parsed.header, landed, unstager)
+            if stripe:
+                receiver.receive_striped(parsed.header, landed, unstager)
+            else:
+                receiver.receive_data(parsed.header, landed, unstager)
         finally:
             if unstager is not None:
                 # Every copy to the device has landed (or, on error, stopped)
@@ -586,6 +781,8 @@ def _fetch(
     stats = receiver.stats
     stats.seconds = time.monotonic() - started
     stats.bytes = parsed.header.total_bytes
+    if not stats.paths:
+        stats.paths = {receiver.endpoint: stats.bytes}
     stats.in_place_bytes = sum(
         n for n, d in zip(parsed.header.storages, landed.destinations, strict=True) if d.in_place is not None
     )

@@ -8,7 +8,7 @@ the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -23,6 +23,11 @@ class TransferStats:
     messages: int = 0
     seconds: float = 0.0
     header_seconds: float = 0.0
+    # Receiving side: bytes landed per path (endpoint) and connections used;
+    # several with a striped receive (docs/protocol.md, "Spans").
+    paths: dict[str, int] = field(default_factory=dict)
+    streams: int = 1
+    duplicate_messages: int = 0  # striped: messages that arrived twice (a span taken over); dropped
 
     @property
     def gbps(self) -> float:

@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_PACK_BELOW = 64 * 1024
 DEFAULT_WINDOW = 16
+# Connections one receive may open: each is a socket and a monitor on both
+# sides, and counts against the sender's per-peer and global transfer limits.
+MAX_STREAMS = 16
 # The stall bound's default, in seconds (docs/protocol.md, "Liveness" and "Dead
 # and stalled sources"). Healthy transfers under load waited at most 0.33 s for a
 # data message (3 receivers x 1 GiB fresh on 2 cores, scripts/stall_gaps.py);
@@ -101,6 +104,26 @@ class ZMQTransport(CheckpointTransport[T]):
         window: data messages this side lets a sender have in flight when
             receiving (the credit window); ``window * chunk_bytes`` bounds the
             memory queued per receiver.
+        streams: connections one ``recv_checkpoint`` uses. ``None``
+            (default): one per path the source advertises, so one path means
+            one connection exactly as before, and a source on several networks
+            is read over all of them at once. ``1``: one connection, over the
+            most preferred path that connects. ``N > 1``: N connections,
+            spread over the paths that connect. With more than one, the data
+            is fetched in spans handed to whichever connection has room (a
+            faster path carries more), and a connection that is lost or
+            stalls mid-transfer has its spans fetched over the others
+            (docs/protocol.md, "Spans"). Needs a sender of this release; an
+            older one is read over one connection.
+        relay: when several receivers fetch one step from one source at the
+            same time, forward what this receiver has received to the next
+            one, so the source uploads the state about once rather than once
+            per receiver (docs/protocol.md, "Relays"). On by default; it
+            costs this receiver its upload bandwidth while it receives, and
+            ``recv_checkpoint`` returns at most ``zmqtransport.relaying.RELAY_TAIL``
+            (1 s) after its own data is complete, never serving from the
+            received memory after it returns. ``False``: never relay, and
+            fetch from the source only.
         allow_pickle: send objects that have no pickle-free encoding as pickle,
             and accept pickled objects when receiving. Off by default: a peer's
             pickle can run arbitrary code. Both sides must opt in.
@@ -156,6 +179,8 @@ class ZMQTransport(CheckpointTransport[T]):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         pack_below: int = DEFAULT_PACK_BELOW,
         window: int = DEFAULT_WINDOW,
+        streams: int | None = None,
+        relay: bool = True,
         allow_pickle: bool = False,
         state_dict: Callable[[], T] | None = None,
         checksum: bool = False,
@@ -173,6 +198,10 @@ class ZMQTransport(CheckpointTransport[T]):
     ) -> None:
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
+        if type(relay) is not bool:
+            raise ValueError(f"relay={relay!r}: must be True or False")
+        if streams is not None and (type(streams) is not int or not 1 <= streams <= MAX_STREAMS):
+            raise ValueError(f"streams={streams!r}: must be None (one per path) or an integer in [1, {MAX_STREAMS}]")
         bind_hosts = split_hosts(bind_host, "bind_host")
         # Chosen (and checked) before anything is acquired; the ports follow the binds.
         advertised = advertised_hosts(bind_hosts, advertise_host)
@@ -190,6 +219,7 @@ class ZMQTransport(CheckpointTransport[T]):
             prefault_threads=prefault_threads,
             huge_pages=huge_pages,
             stall_timeout=stall_seconds,
+            streams=streams,
         )
         self._staging = staging if staging is not None else DeviceStaging()
         self._fetch_options.device = fresh_device(device)  # before any socket exists
@@ -229,6 +259,10 @@ class ZMQTransport(CheckpointTransport[T]):
             raise
         first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
         self._address = PeerAddress(first.host, first.port, params, tuple(more))
+        if relay:
+            self._fetch_options.relay_at = self._address.to_metadata()
+            self._fetch_options.relay_host = self._server
+            self._fetch_options.configure_for = lambda address: self._options_for(address).configure
         self.last_recv_stats: TransferStats | None = None
 
     # ------------------------------------------------------------------ contract

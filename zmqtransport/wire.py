@@ -40,6 +40,8 @@ ERR_STALLED = "stalled"
 ERR_PICKLE = "pickle_refused"
 ERR_SHUTDOWN = "shutdown"
 ERR_BUSY = "busy"
+# A relay does not (or no longer) serve what a span fetch's token names: fetch it elsewhere.
+ERR_NOT_RELAYING = "not_relaying"
 
 # A request is a few dozen bytes; anything bigger is not ours (ZMQ_MAXMSGSIZE on the ROUTER).
 MAX_REQUEST_BYTES = 64 * 1024
@@ -50,6 +52,9 @@ MIN_CHUNK_BYTES = 4 * 1024
 # Largest number of data messages one receiver may have in flight (server-side cap).
 MAX_CREDIT = 256
 MAX_STEP = 2**63 - 1
+MAX_MESSAGES = 2**32  # bound on a span's data message numbers (a plan has far fewer)
+MAX_METADATA_CHARS = 4096  # a relay's metadata string in a request or header envelope
+RELAY_TOKEN_BYTES = 16
 # Most storages and tensor-table entries one header may describe. Each costs the
 # receiver Python objects and an allocation even when empty, so without a cap a
 # header of zero-sized storages could exhaust memory while claiming no bytes.
@@ -99,6 +104,15 @@ class Request:
     credit: int = 0
     accept_pickle: bool = False
     header_only: bool = False
+    # A span fetch (striped receives): data messages [first, stop) of the step
+    # staged as ``stage``, without a header (docs/protocol.md, "Spans").
+    span: tuple[int, int] | None = None
+    stage: int | None = None
+    # Relays (docs/protocol.md, "Relays"): a header fetch offering to relay
+    # gives where the receiver serves (its metadata); a span fetch to a relay
+    # shows the token the source handed out for it.
+    relay: str | None = None
+    token: bytes | None = None
 
 
 def decode_request(frame: bytes | memoryview) -> Request:
@@ -119,6 +133,8 @@ def decode_request(frame: bytes | memoryview) -> Request:
         credit = _field(message, "credit", int)
         if wait_ms < 0 or credit < 1:
             raise ProtocolError("wait_ms must be >= 0 and credit >= 1")
+        span, stage = _span(message)
+        relay, token = _relay_fields(message, span is not None)
         return Request(
             op,
             xfer,
@@ -127,6 +143,10 @@ def decode_request(frame: bytes | memoryview) -> Request:
             credit=min(credit, MAX_CREDIT),
             accept_pickle=bool(message.get("pickle", False)),
             header_only=bool(message.get("header_only", False)),
+            span=span,
+            stage=stage,
+            relay=relay,
+            token=token,
         )
     if op == OP_CREDIT:
         credit = _field(message, "n", int)
@@ -136,21 +156,63 @@ def decode_request(frame: bytes | memoryview) -> Request:
     return Request(op, xfer)
 
 
+def _span(message: dict[str, Any]) -> tuple[tuple[int, int] | None, int | None]:
+    """The optional ``span`` and ``stage`` fields of a fetch: both or neither."""
+    span, stage = message.get("span"), message.get("stage")
+    if span is None and stage is None:
+        return None, None
+    if not (isinstance(span, list) and len(span) == 2 and all(type(n) is int for n in span)):
+        raise ProtocolError("field 'span' must be [first, stop], two integers")
+    first, stop = span
+    if not 0 <= first < stop <= MAX_MESSAGES:
+        raise ProtocolError(f"span {span!r} out of range")
+    if type(stage) is not int or not 0 <= stage < 2**64:
+        raise ProtocolError("a span fetch needs field 'stage', an unsigned 64-bit integer")
+    return (first, stop), stage
+
+
+def _relay_fields(message: dict[str, Any], is_span: bool) -> tuple[str | None, bytes | None]:
+    """The optional ``relay`` (a header fetch's offer) and ``token`` (a span fetch to a relay) fields."""
+    relay, token = message.get("relay"), message.get("token")
+    if relay is not None and (not isinstance(relay, str) or not 0 < len(relay) <= MAX_METADATA_CHARS):
+        raise ProtocolError(f"field 'relay' must be a metadata string of at most {MAX_METADATA_CHARS} characters")
+    if token is not None and (not is_span or not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES):
+        raise ProtocolError(f"field 'token' must be {RELAY_TOKEN_BYTES} bytes, on a span fetch")
+    return relay, token
+
+
 def fetch_request(
-    xfer: int, step: int, wait_ms: int, credit: int, accept_pickle: bool, header_only: bool = False
+    xfer: int,
+    step: int,
+    wait_ms: int,
+    credit: int,
+    accept_pickle: bool,
+    header_only: bool = False,
+    span: tuple[int, int] | None = None,
+    stage: int | None = None,
+    relay: str | None = None,
+    token: bytes | None = None,
 ) -> bytes:
-    return pack(
-        {
-            "v": PROTOCOL_VERSION,
-            "op": OP_FETCH,
-            "id": xfer,
-            "step": step,
-            "wait_ms": wait_ms,
-            "credit": credit,
-            "pickle": accept_pickle,
-            "header_only": header_only,
-        }
-    )
+    message = {
+        "v": PROTOCOL_VERSION,
+        "op": OP_FETCH,
+        "id": xfer,
+        "step": step,
+        "wait_ms": wait_ms,
+        "credit": credit,
+        "pickle": accept_pickle,
+        "header_only": header_only,
+    }
+    if span is not None:
+        # Only span fetches carry these: a request without them is byte for
+        # byte what releases before spans sent.
+        message["span"] = list(span)
+        message["stage"] = stage
+    if relay is not None:
+        message["relay"] = relay
+    if token is not None:
+        message["token"] = token
+    return pack(message)
 
 
 def credit_request(xfer: int, n: int) -> bytes:
@@ -207,8 +269,49 @@ class Header:
         )
 
 
-def header_envelope(xfer: int) -> bytes:
-    return pack({"v": PROTOCOL_VERSION, "op": OP_HEADER, "id": xfer})
+def header_envelope(xfer: int, stage: int | None = None, relay: RelayOrder | None = None) -> bytes:
+    """``stage``: the staging's id, which also says that this sender serves span fetches.
+
+    ``relay``: for a receiver that offered to relay, the token it serves
+    under and where to fetch from instead of this sender (docs/protocol.md, "Relays").
+    """
+    message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HEADER, "id": xfer}
+    if stage is not None:
+        message["stage"] = stage
+    if relay is not None:
+        order: dict[str, Any] = {"token": relay.token}
+        if relay.upstream is not None:
+            order["from"] = relay.upstream
+            order["from_token"] = relay.upstream_token
+        message["relay"] = order
+    return pack(message)
+
+
+@dataclass(frozen=True)
+class RelayOrder:
+    """What a source tells a receiver that offered to relay (the ``relay`` map of a header envelope)."""
+
+    token: bytes  # serve span fetches that show this token, for this staging
+    upstream: str | None = None  # fetch spans from this relay (its metadata) ...
+    upstream_token: bytes | None = None  # ... showing this token
+
+
+def decode_relay_order(order: Any) -> RelayOrder | None:
+    """Validate a header envelope's ``relay`` map (None: absent)."""
+    if order is None:
+        return None
+    if not isinstance(order, dict):
+        raise ProtocolError("header field 'relay' must be a map")
+    token, upstream, upstream_token = order.get("token"), order.get("from"), order.get("from_token")
+    if not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES:
+        raise ProtocolError(f"relay token must be {RELAY_TOKEN_BYTES} bytes")
+    if upstream is None and upstream_token is None:
+        return RelayOrder(token)
+    if not isinstance(upstream, str) or not 0 < len(upstream) <= MAX_METADATA_CHARS:
+        raise ProtocolError("relay field 'from' must be a metadata string")
+    if not isinstance(upstream_token, bytes) or len(upstream_token) != RELAY_TOKEN_BYTES:
+        raise ProtocolError(f"relay field 'from_token' must be {RELAY_TOKEN_BYTES} bytes")
+    return RelayOrder(token, upstream, upstream_token)
 
 
 def decode_header(message: dict[str, Any]) -> Header:

@@ -57,7 +57,8 @@ class Outbox:
         for action in actions:
             match action:
                 case SendHeader():
-                    if not self._router.send(action.peer, [wire.header_envelope(action.xfer), action.header_body]):
+                    envelope = wire.header_envelope(action.xfer, action.stage_id, action.relay)
+                    if not self._router.send(action.peer, [envelope, action.header_body]):
                         undelivered.add(action.key)
                         self._scheduler.undelivered(action, time.monotonic())
                     elif action.header_only:
@@ -83,20 +84,28 @@ def _served(transfer: Transfer, seconds: float) -> TransferStats:
     """Log a finished transfer (one INFO line) and describe it."""
     seconds = max(seconds, 1e-9)
     staged = transfer.staged
-    nbytes = staged.total_bytes
-    logger.info(
-        "served step %d to %s: %d bytes in %.3f s (%.2f GB/s)",
+    if transfer.span:
+        # One span of a striped receive: its own bytes (the receiver asks for
+        # the others on its other connections, each recorded likewise).
+        nbytes = staged.span_bytes(transfer.first, transfer.stop)
+        messages = transfer.stop - transfer.first
+    else:
+        nbytes, messages = staged.total_bytes, staged.messages
+    logger.log(
+        logging.DEBUG if transfer.span else logging.INFO,
+        "served step %d to %s: %d bytes in %.3f s (%.2f GB/s)%s",
         staged.step,
         transfer.address,
         nbytes,
         seconds,
         nbytes / seconds / 1e9,
+        f" (span {transfer.first}..{transfer.stop})" if transfer.span else "",
     )
     return TransferStats(
         peer=transfer.address,
         step=staged.step,
         bytes=nbytes,
-        tensors=len(staged.tree.tensors),
-        messages=staged.messages,
+        tensors=staged.tensor_count,
+        messages=messages,
         seconds=seconds,
     )

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import zmq
 
 from .. import wire
 from ..device import SendStager
 from .frames import HeldFrames
+from .relays import RelayStopped
 from .router import Router
 from .scheduler import Action, Scheduler, Transfer
 
@@ -66,10 +68,15 @@ class DataPump:
     def _send_chunk(self, transfer: Transfer) -> list[Action]:
         staged, seq, key = transfer.staged, transfer.next_seq, transfer.key
         staged_view = self._stager.take(key, seq) if staged.device_plan is not None else None
+        payload: Any
         if staged_view is not None:
             payload, references_tensor = staged_view, True  # a pinned staging buffer
         else:
-            payload, references_tensor = staged.payload(seq)
+            try:
+                payload, references_tensor = staged.payload(seq)
+            except RelayStopped:
+                self._scheduler.drop(transfer)  # the relay's receive returned; stop_relay tells its receiver
+                return []
         envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload))
         try:
             # Every frame is tracked: its release tells that the receiver takes data.

@@ -13,9 +13,12 @@ per round, so concurrent receivers share the link.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
+from .relays import Chain, Relayed
 from .staged import Staged
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
@@ -45,12 +48,19 @@ class Transfer:
 
     peer: bytes
     xfer: int
-    staged: Staged
+    staged: Staged | Relayed  # what it sends: the staged step, or a step this side relays
     credit: int
     address: str
     started: float
     last_progress: float  # when credit last arrived, libzmq last released a frame, or it started
     next_seq: int = 0
+    stop: int = -1  # one past the last data message to send; -1: the whole plan
+    span: bool = False  # a span fetch (part of a striped receive): no header was sent
+
+    def __post_init__(self) -> None:
+        self.first = self.next_seq
+        if self.stop < 0:
+            self.stop = self.staged.messages
 
     @property
     def key(self) -> Key:
@@ -58,11 +68,11 @@ class Transfer:
 
     @property
     def done(self) -> bool:
-        return self.next_seq >= self.staged.messages
+        return self.next_seq >= self.stop
 
     @property
     def sendable(self) -> bool:
-        return self.credit > 0 and not self.done
+        return self.credit > 0 and not self.done and self.staged.available(self.next_seq)
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,8 @@ class SendHeader:
     header_body: bytes
     header_only: bool  # the receiver asked for the header alone: send ``end`` right after it
     parked: Parked | None  # the parked request this starts, if any
+    stage_id: int | None = None  # the staging's id (announces that span fetches are served)
+    relay: wire.RelayOrder | None = None  # for a receiver that offered to relay
 
     @property
     def key(self) -> Key:
@@ -132,7 +144,15 @@ Action = Refuse | Abort | SendHeader | Finish
 class Scheduler:
     """Transfers, parked requests, credit and stall deadlines of one server."""
 
-    def __init__(self, timeout: float, stall: float | None = None, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        stall: float | None = None,
+        limits: Limits | None = None,
+        make_token: Callable[[], bytes] | None = None,
+    ) -> None:
+        # Relay tokens: unguessable, handed out only to the staged step's receivers.
+        self.make_token = make_token if make_token is not None else lambda: os.urandom(wire.RELAY_TOKEN_BYTES)
         # A transfer whose receiver grants no credit and takes no data for this
         # long is stalled and dropped: the stall bound, at most the transfer timeout.
         self.stall = timeout if stall is None else min(stall, timeout)
@@ -140,6 +160,8 @@ class Scheduler:
         self.staged: Staged | None = None
         self.transfers: dict[Key, Transfer] = {}
         self.parked: list[Parked] = []
+        self.chain = Chain()  # receivers of the staged step that offered to relay
+        self.relays: dict[bytes, Relayed] = {}  # steps this side relays, by token
         self._rebound_at = float("-inf")
 
     # ------------------------------------------------------------------ events
@@ -147,13 +169,17 @@ class Scheduler:
     def stage(self, staged: Staged, now: float) -> list[Action]:
         """Serve ``staged`` from now on; requests parked until now start (or are refused)."""
         self.staged = staged
+        self.chain.clear()
         return self._retry_parked(now)
 
     def disallow(self) -> list[Action]:
-        """Stop serving: nothing is staged, and every running transfer ends ``disallowed``."""
+        """Stop serving: nothing is staged, and every running transfer of it ends ``disallowed``."""
         self.staged = None
+        self.chain.clear()
         aborts: list[Action] = []
         for transfer in list(self.transfers.values()):
+            if isinstance(transfer.staged, Relayed):
+                continue  # relaying is the receive's business, not the staged step's
             message = f"step {transfer.staged.step} is no longer served"
             aborts.append(self._abort(transfer, wire.ERR_DISALLOWED, message))
         return aborts
@@ -172,6 +198,8 @@ class Scheduler:
             return []
         if key in self.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
+        if request.token is not None:
+            return self._start_relayed(peer, request, address, now)
         if self.staged is None:
             if len(self.parked) >= self.limits.parked:
                 return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")]
@@ -206,11 +234,25 @@ class Scheduler:
         gone = [t for t in self.transfers.values() if t.peer == peer]
         for transfer in gone:
             del self.transfers[transfer.key]
+        self.chain.left(peer)
         return gone
 
     def rebound(self, now: float) -> None:
         """The socket was closed and bound again: every receiver is reconnecting."""
         self._rebound_at = now
+
+    def relay(self, relayed: Relayed) -> None:
+        """Serve ``relayed`` (a step this side is receiving) to span fetches showing its token."""
+        self.relays[relayed.token] = relayed
+
+    def stop_relay(self, token: bytes) -> list[Action]:
+        """Stop relaying: its running transfers end ``not_relaying`` (their receivers fetch elsewhere)."""
+        relayed = self.relays.pop(token, None)
+        aborts: list[Action] = []
+        for transfer in list(self.transfers.values()):
+            if transfer.staged is relayed:
+                aborts.append(self._abort(transfer, wire.ERR_NOT_RELAYING, "this relay has stopped relaying"))
+        return aborts
 
     def next_round(self) -> list[Transfer]:
         """Transfers that may send their next data message now, one message each."""
@@ -218,6 +260,8 @@ class Scheduler:
 
     def sent(self, transfer: Transfer, now: float) -> list[Action]:
         """Data message ``transfer.next_seq`` went out."""
+        if isinstance(transfer.staged, Relayed):
+            transfer.staged.touched = now
         transfer.next_seq += 1
         transfer.credit -= 1
         if not transfer.done:
@@ -257,6 +301,7 @@ class Scheduler:
             actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_SHUTDOWN, "shutting down"))
         self.parked = []
         self.staged = None
+        self.relays.clear()
         return actions
 
     def wakeup_in(self, now: float) -> float:
@@ -288,7 +333,14 @@ class Scheduler:
         refusal = self._refusal(peer, request, staged, parked)
         if refusal is not None:
             return [refusal]
-        header = SendHeader(peer, request.xfer, staged.header_body, request.header_only, parked)
+        if request.span is not None:
+            return self._start_span(peer, request, address, now, staged)
+        order = None
+        if request.relay is not None and request.header_only:
+            order = self.chain.join(peer, request.relay, self.make_token())
+        header = SendHeader(
+            peer, request.xfer, staged.header_body, request.header_only, parked, staged.stage_id, order
+        )
         if request.header_only:
             return [header]
         transfer = Transfer(peer, request.xfer, staged, request.credit, address, started=now, last_progress=now)
@@ -298,6 +350,33 @@ class Scheduler:
             return [header, Finish(transfer, 0.0)]
         return [header]
 
+    def _start_relayed(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
+        """A span fetch to this side as a relay: served from the step it is receiving, as it lands."""
+        assert request.token is not None and request.span is not None  # wire.decode_request
+        relayed = self.relays.get(request.token)
+        if relayed is None:
+            return [Refuse(peer, request.xfer, wire.ERR_NOT_RELAYING, "this receiver relays nothing under that token")]
+        if request.step != relayed.step or request.stage != relayed.stage_id:
+            return [Refuse(peer, request.xfer, wire.ERR_WRONG_STEP, f"this receiver relays step {relayed.step}")]
+        if request.span[1] > relayed.messages:
+            return [Refuse(peer, request.xfer, wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the plan")]
+        if sum(1 for key in self.transfers if key[0] == peer) >= self.limits.transfers_per_peer:
+            return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many transfers from this peer")]
+        if len(self.transfers) >= self.limits.transfers:
+            return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
+        relayed.touched = now
+        return self._start_span(peer, request, address, now, relayed)
+
+    def _start_span(
+        self, peer: bytes, request: wire.Request, address: str, now: float, staged: Staged | Relayed
+    ) -> list[Action]:
+        """A span fetch: its data messages, then ``end``; no header (the receiver has it)."""
+        assert request.span is not None
+        first, stop = request.span
+        transfer = Transfer(peer, request.xfer, staged, request.credit, address, now, now, first, stop, span=True)
+        self.transfers[transfer.key] = transfer
+        return []
+
     def _refusal(self, peer: bytes, request: wire.Request, staged: Staged, parked: Parked | None) -> Refuse | None:
         code, message = self._refusal_reason(peer, request, staged)
         return None if code is None else Refuse(peer, request.xfer, code, message, parked)
@@ -305,6 +384,11 @@ class Scheduler:
     def _refusal_reason(self, peer: bytes, request: wire.Request, staged: Staged) -> tuple[str | None, str]:
         if request.step != staged.step:
             return wire.ERR_WRONG_STEP, f"requested step {request.step} but this peer serves step {staged.step}"
+        if request.span is not None:
+            if request.stage != staged.stage_id:
+                return wire.ERR_WRONG_STEP, f"step {staged.step} was staged again since the header was sent"
+            if request.span[1] > staged.messages:
+                return wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the {staged.messages} data messages"
         if staged.tree.has_pickle and not request.accept_pickle:
             message = f"step {staged.step} holds pickled objects and the receiver does not accept pickle"
             return wire.ERR_PICKLE, message

@@ -40,6 +40,7 @@ from ..stats import TransferStats
 from .frames import HeldFrames
 from .outbox import Outbox, SentLog
 from .pump import DataPump
+from .relays import Relayed
 from .router import Configure, Router
 from .scheduler import Refuse, Scheduler
 from .staged import Staged
@@ -76,7 +77,18 @@ class StopCommand:
     pass
 
 
-Command = StageCommand | DisallowCommand | StopCommand
+@dataclass(frozen=True)
+class RelayCommand:
+    relayed: Relayed  # serve it to span fetches showing its token
+
+
+@dataclass(frozen=True)
+class StopRelayCommand:
+    token: bytes
+    done: threading.Event  # set once no transfer of it runs (nothing reads its memory any more)
+
+
+Command = StageCommand | DisallowCommand | StopCommand | RelayCommand | StopRelayCommand
 
 
 class WakePipe:
@@ -173,6 +185,26 @@ class Server:
             if time.monotonic() > deadline:
                 raise TimeoutError("disallow_checkpoint timed out waiting for the serving thread")
 
+    def relay(self, relayed: Relayed) -> None:
+        """Serve ``relayed`` (a step being received) to the downstream the source sends here."""
+        self._command(RelayCommand(relayed))
+
+    def poke(self) -> None:
+        """More of a relayed step has landed: transfers waiting for it may send."""
+        self._wake.wake()
+
+    def stop_relay(self, token: bytes, timeout: float) -> bool:
+        """Stop relaying; True once the serving thread will not read the relayed memory again."""
+        done = threading.Event()
+        self._command(StopRelayCommand(token, done))
+        deadline = time.monotonic() + timeout
+        while not done.wait(0.05):
+            if not self._thread.is_alive():
+                return True  # it is gone: it reads nothing
+            if time.monotonic() > deadline:
+                return False
+        return True
+
     def stop(self, wait: bool, timeout: float = STOP_JOIN_TIMEOUT) -> bool:
         """Tell the serving thread to stop; with ``wait``, wait at most ``timeout`` s. False if it still runs."""
         if self._thread.is_alive():
@@ -255,6 +287,13 @@ class Server:
                     self._on_disallow(done)
                 case StopCommand():
                     self._stopping = True
+                case RelayCommand(relayed):
+                    self._scheduler.relay(relayed)
+                case StopRelayCommand(token, done):
+                    # Copies are sent, never references: once its transfers are
+                    # ended here, nothing reads the relayed memory any more.
+                    self._outbox.execute(self._scheduler.stop_relay(token))
+                    done.set()
 
     def _on_disallow(self, done: threading.Event) -> None:
         self._outbox.execute(self._scheduler.disallow())

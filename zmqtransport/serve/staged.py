@@ -7,6 +7,7 @@ plan into bytes (a view of tensor memory, or a packed copy of small storages).
 from __future__ import annotations
 
 import ctypes
+import random
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,9 @@ class Staged:
     checksum: str | None
     crcs: list[int | None] = field(default_factory=list)
     device_plan: SendPlan | None = None  # device memory to stage (None: host memory only)
+    # Names this staging in span fetches: a span asked of an earlier staging of
+    # the same step (re-staged in between, maybe with other bytes) is refused.
+    stage_id: int = field(default_factory=lambda: random.getrandbits(63))
 
     @property
     def total_bytes(self) -> int:
@@ -79,6 +83,16 @@ class Staged:
     def messages(self) -> int:
         """Data messages in the chunk plan."""
         return len(self.plan)
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.tree.tensors)
+
+    def available(self, seq: int) -> bool:
+        return True  # every message of a staged step can be sent at once (a relay's cannot)
+
+    def span_bytes(self, first: int, stop: int) -> int:
+        return sum(wire.chunk_length(pieces) for pieces in self.plan[first:stop])
 
     def payload(self, seq: int) -> tuple[Any, bool]:
         """The bytes of data message ``seq`` and whether they reference tensor memory."""

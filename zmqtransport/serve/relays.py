@@ -1,0 +1,147 @@
+"""Relaying (docs/protocol.md, "Relays"): who forwards a staging to whom, and what a relay serves.
+
+Two sides, both without sockets:
+
+* :class:`Chain`, on the source: the receivers of the staged step that
+  offered to relay, in the order their header requests came. Each newcomer is
+  told to fetch from the newest member still connected, and becomes the
+  newest itself: a chain, so every receiver's uplink carries the state once
+  and the source's carries it about once, pipelined message by message.
+* :class:`Relayed`, on a relay: the step it is receiving, served to its
+  downstream from the memory it has landed so far. It serves a message only
+  once it has landed, sends copies (no frame references the receive's memory
+  after it is sent, so the relay can stop at any moment and hand its memory
+  to its caller), and forwards the source's checksums unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .. import wire
+
+# Members one chain remembers (the oldest go first); far above any realistic
+# number of replicas recovering at once from one source.
+MAX_MEMBERS = 1024
+
+
+@dataclass(frozen=True)
+class Member:
+    """A receiver that offered to relay: its header connection, where it serves, its token."""
+
+    peer: bytes
+    at: str
+    token: bytes
+
+
+class Chain:
+    """The source's relay chain for the staged step (pure; the serving thread owns it)."""
+
+    def __init__(self) -> None:
+        self.members: list[Member] = []
+
+    def join(self, peer: bytes, at: str, token: bytes) -> wire.RelayOrder:
+        """A receiver offered to relay: where it fetches from (the newest member), and its own token."""
+        upstream = self.members[-1] if self.members else None
+        self.members.append(Member(peer, at, token))
+        del self.members[:-MAX_MEMBERS]
+        if upstream is None:
+            return wire.RelayOrder(token)
+        return wire.RelayOrder(token, upstream.at, upstream.token)
+
+    def left(self, peer: bytes) -> None:
+        """The header connection of ``peer`` closed: it no longer relays (its receive ended)."""
+        self.members = [member for member in self.members if member.peer != peer]
+
+    def clear(self) -> None:
+        self.members = []
+
+
+class RelayStopped(Exception):
+    """A relayed step's memory was handed back to its receiver's caller: nothing more is sent from it."""
+
+
+@dataclass
+class Relayed:
+    """A step being received, served to downstream receivers as it lands.
+
+    The receiving thread fills it (:meth:`landed_one`); the serving thread
+    reads it. ``views`` are the host memory of each storage's destination.
+    """
+
+    step: int
+    stage_id: int  # the source's staging id: span fetches must name it
+    token: bytes
+    plan: list[list[wire.Piece]]
+    # Each storage's landed host memory; None until the receive has allocated
+    # it (a relay is registered as soon as the header arrives, so a fast
+    # downstream's first requests wait here instead of being refused).
+    views: Sequence[memoryview] | None = None
+    landed: bytearray = field(default_factory=bytearray)  # 1 once data message seq's bytes are in place
+    crcs: list[int | None] = field(default_factory=list)
+    # Set by the serving thread when it starts or sends a transfer of this
+    # relay; the receiving thread reads it to know when its downstream is done.
+    touched: float = field(default_factory=time.monotonic)
+    sent_bytes: int = 0
+    device_plan: None = None  # a relay serves host memory only
+    # Held while a message is copied; stop() takes it, so once stop() returns
+    # no copy is running and none will start: the memory is the caller's again.
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stopped: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.crcs:
+            self.crcs = [None] * len(self.plan)
+        if not self.landed:
+            self.landed = bytearray(len(self.plan))
+
+    @property
+    def messages(self) -> int:
+        return len(self.plan)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(wire.chunk_length(pieces) for pieces in self.plan)
+
+    @property
+    def tensor_count(self) -> int:
+        return 0  # the relay does not know the tensor table's size here; statistics only
+
+    def span_bytes(self, first: int, stop: int) -> int:
+        return sum(wire.chunk_length(pieces) for pieces in self.plan[first:stop])
+
+    def available(self, seq: int) -> bool:
+        return not self._stopped and bool(self.landed[seq])
+
+    def stop(self) -> None:
+        """No message is read from the relayed memory after this returns (any thread)."""
+        with self._lock:
+            self._stopped = True
+
+    def landed_one(self, seq: int, crc: int | None) -> None:
+        """Message ``seq`` has landed (receiving thread): its checksum first, then the flag."""
+        self.crcs[seq] = crc
+        self.landed[seq] = 1
+
+    def payload(self, seq: int) -> tuple[bytes, bool]:
+        """A copy of message ``seq``'s bytes as they landed (never a reference to the receive's memory).
+
+        Raises :class:`RelayStopped` once :meth:`stop` was called.
+        """
+        pieces = self.plan[seq]
+        with self._lock:
+            if self._stopped or self.views is None:
+                raise RelayStopped(f"relaying of step {self.step} has stopped")
+            if len(pieces) == 1:
+                piece = pieces[0]
+                data = bytes(self.views[piece.storage][piece.start : piece.start + piece.length])
+            else:
+                data = b"".join(bytes(self.views[piece.storage][: piece.length]) for piece in pieces)
+        self.sent_bytes += len(data)
+        return data, False
+
+    def crc(self, seq: int, payload: object) -> int | None:
+        return self.crcs[seq]  # the source's, forwarded unchanged
