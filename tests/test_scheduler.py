@@ -626,3 +626,147 @@ def test_span_fields_round_trip_and_plain_fetch_is_unchanged() -> None:
     assert b"span" not in plain and b"stage" not in plain
     request = wire.decode_request(wire.fetch_request(1, 2, 3, 4, False, span=(5, 9), stage=77))
     assert request.span == (5, 9) and request.stage == 77
+
+
+# ----------------------------------------------------------------------------- relays
+
+
+def relayed(messages: int = 6, token: bytes = b"T" * 16, stage: int = 99) -> Any:
+    from zmqtransport.serve.relays import Relayed
+
+    plan = [[wire.Piece(0, i, 1)] for i in range(messages)]
+    return Relayed(STEP, stage, token, plan, views=[memoryview(bytearray(range(messages)))])
+
+
+def test_relay_chain_sends_each_newcomer_to_the_newest_member(net: Net) -> None:
+    tokens = iter(bytes([n]) * 16 for n in range(1, 10))
+    net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
+    net.execute(net.scheduler.stage(staged(), net.now))
+    orders = []
+    for peer in (b"a", b"b", b"c"):
+        actions = net.scheduler.on_request(peer, fetch(relay=f"tcp://{peer.decode()}:1"), "addr", net.now)
+        header = actions[0]
+        assert isinstance(header, SendHeader)
+        orders.append(header.relay)
+        # The first fetches from the source; the others get the header alone and a relay.
+        assert header.header_only == (peer != b"a")
+    assert [o.upstream for o in orders] == [None, "tcp://a:1", "tcp://b:1"]
+    assert orders[1].upstream_token == orders[0].token and orders[2].upstream_token == orders[1].token
+    net.scheduler.disconnected(b"c")  # c's receive ended: d is sent to b
+    actions = net.scheduler.on_request(b"d", fetch(xfer=5, relay="tcp://d:1"), "addr", net.now)
+    assert actions[0].relay.upstream == "tcp://b:1"
+    net.execute(net.scheduler.stage(staged(), net.now))  # a new staging: a new chain
+    actions = net.scheduler.on_request(b"e", fetch(xfer=6, relay="tcp://e:1"), "addr", net.now)
+    assert actions[0].relay.upstream is None
+
+
+def test_receiver_without_relay_offer_is_served_by_the_source(net: Net) -> None:
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.request(b"a", fetch(relay="tcp://a:1"))
+    net.request(b"b", fetch())
+    net.pump()
+    assert net.data(b"b") == [0, 1, 2, 3]
+
+
+def test_relayed_messages_go_out_only_once_landed_and_stop_ends_them(net: Net) -> None:
+    relay = relayed()
+    net.scheduler.relay(relay)
+    request = fetch(xfer=3, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token)
+    net.request(b"down", request)
+    net.pump()
+    assert net.data(b"down") == []  # nothing has landed yet
+    relay.landed_one(0, None)
+    relay.landed_one(1, 7)
+    relay.landed_one(3, None)
+    net.pump()
+    assert net.data(b"down") == [0, 1]  # in order: 2 has not landed
+    actions = net.scheduler.stop_relay(relay.token)
+    assert [a.code for a in actions if isinstance(a, Abort)] == [wire.ERR_NOT_RELAYING]
+    relay.landed_one(2, None)
+    net.pump()
+    assert net.data(b"down") == [0, 1]
+
+
+def test_span_fetch_to_a_relay_needs_its_token_stage_and_step(net: Net) -> None:
+    relay = relayed()
+    net.scheduler.relay(relay)
+    cases = [
+        (b"W" * 16, relay.stage_id, STEP, wire.ERR_NOT_RELAYING),
+        (relay.token, relay.stage_id + 1, STEP, wire.ERR_WRONG_STEP),
+        (relay.token, relay.stage_id, STEP + 1, wire.ERR_WRONG_STEP),
+    ]
+    for xfer, (token, stage, step, code) in enumerate(cases):
+        net.request(b"x", fetch(xfer=xfer, step=step, credit=2, span=(0, 2), stage=stage, token=token))
+        assert net.ops(b"x")[-1] == ("error", code)
+    net.request(b"x", fetch(xfer=9, credit=2, span=(4, 7), stage=relay.stage_id, token=relay.token))
+    assert net.ops(b"x")[-1] == ("error", wire.ERR_BAD_REQUEST)
+    assert net.scheduler.transfers == {}
+
+
+def test_disallow_of_the_staged_step_leaves_relayed_transfers_alone(net: Net) -> None:
+    relay = relayed()
+    net.scheduler.relay(relay)
+    net.execute(net.scheduler.stage(staged(), net.now))
+    net.request(b"down", fetch(xfer=1, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token))
+    net.request(b"other", fetch(xfer=2))
+    net.execute(net.scheduler.disallow())
+    assert net.ops(b"other")[-1] == ("error", wire.ERR_DISALLOWED)
+    assert list(net.scheduler.transfers) == [(b"down", 1)]
+
+
+def test_span_fetch_while_nothing_is_staged_is_refused_disallowed_at_once(net: Net) -> None:
+    net.request(b"a", fetch(xfer=1, credit=2, span=(0, 2), stage=5))
+    assert net.ops(b"a") == [("error", wire.ERR_DISALLOWED)]
+    assert net.scheduler.parked == []
+
+
+def test_relayed_payload_is_a_copy_and_none_after_stop() -> None:
+    from zmqtransport.serve.relays import RelayStopped
+
+    relay = relayed(messages=3)
+    relay.landed_one(0, None)
+    data, references = relay.payload(0)
+    assert isinstance(data, bytes) and not references
+    relay.stop()
+    assert not relay.available(1)
+    with pytest.raises(RelayStopped):
+        relay.payload(0)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"relay": ""},
+        {"relay": 5},
+        {"relay": "x" * 5000},
+        {"token": b"t" * 16},  # a token only on a span fetch
+        {"span": [0, 2], "stage": 1, "token": b"short"},
+        {"span": [0, 2], "stage": 1, "token": "t" * 16},
+    ],
+)
+def test_malformed_relay_fields_are_refused(fields: dict[str, Any]) -> None:
+    message = {"v": wire.PROTOCOL_VERSION, "op": wire.OP_FETCH, "id": 1, "step": 1, "wait_ms": 0, "credit": 1}
+    with pytest.raises(ProtocolError):
+        wire.decode_request(msgpack.packb({**message, **fields}))
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        [1, 2],
+        {"token": b"x"},
+        {"token": b"t" * 16, "from": "tcp://a:1"},  # no from_token
+        {"token": b"t" * 16, "from": 7, "from_token": b"u" * 16},
+        {"token": b"t" * 16, "from": "tcp://a:1", "from_token": b"u"},
+    ],
+)
+def test_malformed_relay_orders_are_refused(order: Any) -> None:
+    with pytest.raises(ProtocolError):
+        wire.decode_relay_order(order)
+
+
+def test_relay_order_round_trips() -> None:
+    order = wire.RelayOrder(b"t" * 16, "tcp://a:1", b"u" * 16)
+    envelope = msgpack.unpackb(wire.header_envelope(3, 4, order))
+    assert wire.decode_relay_order(envelope["relay"]) == order
+    assert "relay" not in msgpack.unpackb(wire.header_envelope(3, 4))

@@ -65,9 +65,7 @@ class FetchOptions:
     configure_for: Callable[[PeerAddress], Callable[[zmq.Socket[Any]], None] | None] | None = None
 
     def striped(self, address: PeerAddress) -> bool:
-        """Whether a receive from ``address`` fetches its data in spans (several connections, or relaying)."""
-        if self.relay_at is not None:
-            return True
+        """Whether a receive from ``address`` asks for the header alone, then for spans on several connections."""
         if self.streams is None:
             return bool(address.more_paths)
         return self.streams > 1
@@ -362,7 +360,7 @@ class _Receiver:
         self._connect(keep_paths)
         self.send_request(header_only)
 
-    def send_request(self, header_only: bool = False) -> None:
+    def send_request(self, header_only: bool = False, relay: bool = True) -> None:
         wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
         request = wire.fetch_request(
             self.xfer,
@@ -371,7 +369,7 @@ class _Receiver:
             self.options.window,
             self.options.allow_pickle,
             header_only,
-            relay=self.options.relay_at if header_only else None,
+            relay=self.options.relay_at if relay else None,
         )
         self.socket.send(request)
 
@@ -400,6 +398,7 @@ class _Receiver:
         batch = max(1, self.options.window // 2)
         progress = self.options.progress
         prefaulter = landed.prefaulter
+        duty = self._attach_duty(landed, unstager)
         if unstager is not None:
             # Every bounce buffer is sized for the largest bounced message: none grows mid-receive.
             self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
@@ -408,6 +407,9 @@ class _Receiver:
             if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
                 raise ProtocolError(f"expected data message {seq}, got {message.get('op')!r} {message.get('seq')!r}")
             payload = self.land_message(self.socket, seq, message, landed, unstager, pieces)
+            if duty is not None:
+                crc = message.get("crc")
+                duty.landed(seq, crc if type(crc) is int else None)
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < len(chunks):
                 self.socket.send(wire.credit_request(self.xfer, unacknowledged))
@@ -419,6 +421,8 @@ class _Receiver:
             if progress is not None:
                 progress(done, header.total_bytes)
         self.receive_end()
+        if duty is not None:
+            duty.finish()
 
     def land_message(
         self,
@@ -490,7 +494,7 @@ class _Receiver:
             candidate.close()
         self.spare = []
         self.xfer = random.getrandbits(63)
-        self.send_request()
+        self.send_request(relay=False)  # it relays nothing either
 
     def receive_striped(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None) -> None:
         """Receive every data message in spans (:mod:`zmqtransport.striped`), relaying if the source said so."""
@@ -501,11 +505,7 @@ class _Receiver:
         request = striped.Request(
             self.step, self.stage, self.options.allow_pickle, self.deadline, self.options.stall_timeout
         )
-        duty = self.duty
-        if duty is not None:
-            duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
-            if duty.stopped:
-                duty = None
+        duty = self._attach_duty(landed, unstager)
         streams = self._open_streams()
         run = striped.StripedReceive(
             streams,
@@ -592,6 +592,19 @@ class _Receiver:
     def cancel(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
+
+    def _attach_duty(self, landed: Landed, unstager: RecvUnstager | None) -> relaying.RelayDuty | None:
+        """The relay duty, now serving from the landed memory; None when there is none or it cannot serve."""
+        duty = self.duty
+        if duty is None:
+            return None
+        duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
+        return None if duty.stopped else duty
+
+    @property
+    def sent_to_relay(self) -> bool:
+        """The source named a relay to fetch from (and sent the header alone)."""
+        return self.stage is not None and self.relay_order is not None and self.relay_order.upstream is not None
 
     def start_relaying(self, header: wire.Header) -> None:
         """Register as a relay as soon as the header is here, if the source asked (see :mod:`.relaying`)."""
@@ -734,14 +747,14 @@ def _fetch(
         # A striped receive asks for the header alone, then for spans on every connection.
         receiver.request(header_only=stripe, keep_paths=stripe)
         parsed = receiver.receive_header()
-        if stripe:
-            receiver.receive_end()
+        if stripe or receiver.sent_to_relay:
+            receiver.receive_end()  # the header came alone: spans follow (from a relay, maybe)
             if receiver.stage is None:
                 # A sender from before span fetches: one connection, as it expects.
-                stripe = False
                 receiver.fall_back_to_one_stream()
                 parsed = receiver.receive_header()
-            receiver.start_relaying(parsed.header)
+            stripe = receiver.stage is not None
+        receiver.start_relaying(parsed.header)
         receiver.stats.header_seconds = time.monotonic() - started
         # Refused (absurd sizes) before anything is allocated.
         plan = landing.plan_landing(parsed, targets, _landing_options(options))

@@ -85,12 +85,16 @@ class RelayDuty:
     def landed(self, seq: int, crc: int | None) -> None:
         """Message ``seq`` landed: the downstream may have it now."""
         self.relayed.landed_one(seq, crc)
-        self.host.poke()
+        if self.relayed.served:
+            self.host.poke()  # only a downstream waiting for it needs the serving thread awake
 
     def finish(self) -> None:
         """Own data complete: serve a bounded tail while the downstream still asks, then stop."""
         deadline = time.monotonic() + RELAY_TAIL
-        while time.monotonic() < deadline and time.monotonic() - self.relayed.touched < RELAY_IDLE:
+        while self.relayed.served:  # nobody asked: nothing to wait for
+            now = time.monotonic()
+            if now >= deadline or now - self.relayed.touched >= RELAY_IDLE:
+                break
             time.sleep(RELAY_IDLE / 5)
         self.stop()
 

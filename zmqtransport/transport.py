@@ -379,9 +379,16 @@ class ZMQTransport(CheckpointTransport[T]):
         """Transfers finished serving after the first ``cursor`` ones, and the next cursor.
 
         Poll it as ``cursor, new = transport.sent_since(cursor)`` to see every
-        served transfer once (the most recent 256 are kept).
+        served transfer once (the most recent 256 are kept). A striped
+        receive is served as one transfer per span, and what this transport
+        relays as a receiver is recorded too; :attr:`sent_bytes` sums them all.
         """
         return self._server.sent_since(cursor)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Data bytes this transport has uploaded in finished sends: transfers, spans and what it relayed."""
+        return self._server.sent_bytes
 
     @property
     def address(self) -> PeerAddress:

@@ -29,12 +29,20 @@ class SentLog:
     def __init__(self, history: int = SENT_HISTORY) -> None:
         self._recent: deque[TransferStats] = deque(maxlen=history)
         self._count = 0
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def record(self, stats: TransferStats) -> None:
         with self._lock:
             self._recent.append(stats)
             self._count += 1
+            self._bytes += stats.bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Data bytes of every finished send since the start (whole transfers, spans, relayed spans)."""
+        with self._lock:
+            return self._bytes
 
     def since(self, cursor: int) -> tuple[int, list[TransferStats]]:
         with self._lock:
@@ -69,7 +77,9 @@ class Outbox:
                         self._scheduler.undelivered(action, time.monotonic())
                 case Abort(transfer, code, message):
                     step, address = transfer.staged.step, transfer.address
-                    logger.warning("aborting transfer of step %d to %s: %s", step, address, message)
+                    # A relay that stops is routine (its downstream turns to the source).
+                    level = logging.INFO if code == wire.ERR_NOT_RELAYING else logging.WARNING
+                    logger.log(level, "aborting transfer of step %d to %s: %s", step, address, message)
                     self._router.send(transfer.peer, [wire.error_reply(transfer.xfer, code, message)])
                 case Finish(transfer, seconds):
                     if transfer.key not in undelivered:

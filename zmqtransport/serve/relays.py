@@ -45,6 +45,8 @@ class Chain:
 
     def join(self, peer: bytes, at: str, token: bytes) -> wire.RelayOrder:
         """A receiver offered to relay: where it fetches from (the newest member), and its own token."""
+        # A receiver asking again (a retry on the same connection) rejoins at the end, never after itself.
+        self.left(peer)
         upstream = self.members[-1] if self.members else None
         self.members.append(Member(peer, at, token))
         del self.members[:-MAX_MEMBERS]
@@ -85,6 +87,7 @@ class Relayed:
     # Set by the serving thread when it starts or sends a transfer of this
     # relay; the receiving thread reads it to know when its downstream is done.
     touched: float = field(default_factory=time.monotonic)
+    served: bool = False  # a downstream has asked (until then nothing needs waking)
     sent_bytes: int = 0
     device_plan: None = None  # a relay serves host memory only
     # Held while a message is copied; stop() takes it, so once stop() returns

@@ -200,6 +200,10 @@ class Scheduler:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
         if request.token is not None:
             return self._start_relayed(peer, request, address, now)
+        if self.staged is None and request.span is not None:
+            # A span fetch names a staging whose header its receiver has seen:
+            # with nothing staged now, that staging was disallowed. Say so at once.
+            return [Refuse(peer, request.xfer, wire.ERR_DISALLOWED, f"step {request.step} is no longer served")]
         if self.staged is None:
             if len(self.parked) >= self.limits.parked:
                 return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")]
@@ -336,12 +340,12 @@ class Scheduler:
         if request.span is not None:
             return self._start_span(peer, request, address, now, staged)
         order = None
-        if request.relay is not None and request.header_only:
+        if request.relay is not None:
             order = self.chain.join(peer, request.relay, self.make_token())
-        header = SendHeader(
-            peer, request.xfer, staged.header_body, request.header_only, parked, staged.stage_id, order
-        )
-        if request.header_only:
+        # A receiver sent to a relay gets the header alone: it asks the relay for the data.
+        header_only = request.header_only or (order is not None and order.upstream is not None)
+        header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order)
+        if header_only:
             return [header]
         transfer = Transfer(peer, request.xfer, staged, request.credit, address, started=now, last_progress=now)
         self.transfers[transfer.key] = transfer
@@ -365,6 +369,7 @@ class Scheduler:
         if len(self.transfers) >= self.limits.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
         relayed.touched = now
+        relayed.served = True
         return self._start_span(peer, request, address, now, relayed)
 
     def _start_span(

@@ -229,6 +229,10 @@ class Server:
         """Sends finished after the first ``cursor`` ones, and the cursor to pass next time."""
         return self._sent.since(cursor)
 
+    @property
+    def sent_bytes(self) -> int:
+        return self._sent.total_bytes
+
     def _command(self, command: Command) -> None:
         self._commands.put(command)
         self._wake.wake()
