@@ -151,7 +151,10 @@ def land(plan: landing.LandingPlan, prefault_threads: int) -> Landed:
     arena = buffers.Arena(plan.arena.sizes, plan.arena.offsets) if plan.arena is not None else None
     in_arena = landing.InArena
     # Arena storages first in the test: most storages of a many-tensor receive.
-    destinations = [_carve(p, arena) if type(p) is in_arena else _allocate(p, arena) for p in plan.placements]  # type: ignore[arg-type]
+    destinations = [
+        _carve(p, arena) if type(p) is in_arena else _allocate(p, arena)  # type: ignore[arg-type]
+        for p in plan.placements
+    ]
     regions = []  # (stream offset, pointer, bytes)
     for region in plan.prefault:
         if region.arena:
