@@ -247,6 +247,7 @@ class _Receiver:
         self.extra: list[paths.Candidate] = []  # further connections opened for a striped receive
         self.path = address.paths[0]  # the path of self.socket
         self.bounce_bytes = 0  # size of each pinned bounce buffer (device receives only)
+        self._chunks: tuple[wire.Header, list[list[wire.Piece]]] | None = None
         # Closed again if configuring it fails (a bad key, say): a socket left
         # open would make the transport's shutdown wait forever in Context.term().
         # The watch is set up before connecting, so it sees the handshake.
@@ -395,7 +396,7 @@ class _Receiver:
 
     def receive_data(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None = None) -> None:
         """Receive every data message into ``landed``, returning credit in batches."""
-        chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        chunks = self.chunk_plan(header)
         done = 0
         unacknowledged = 0
         batch = max(1, self.options.window // 2)
@@ -485,6 +486,12 @@ class _Receiver:
             at += piece.length
         return payload
 
+    def chunk_plan(self, header: wire.Header) -> list[list[wire.Piece]]:
+        """The header's chunk plan, computed once per receive (milliseconds for many tensors)."""
+        if self._chunks is None or self._chunks[0] is not header:
+            self._chunks = (header, wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below))
+        return self._chunks[1]
+
     def receive_end(self) -> None:
         message = self._recv_envelope("the end of the transfer", in_transfer=True)
         if message["op"] != wire.OP_END:
@@ -501,7 +508,7 @@ class _Receiver:
 
     def receive_striped(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None) -> None:
         """Receive every data message in spans (:mod:`zmqtransport.striped`), relaying if the source said so."""
-        chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        chunks = self.chunk_plan(header)
         if unstager is not None:
             self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
         assert self.stage is not None  # only a sender that serves spans gets here
@@ -613,7 +620,7 @@ class _Receiver:
         """Register as a relay as soon as the header is here, if the source asked (see :mod:`.relaying`)."""
         if self.stage is None or self.relay_order is None:
             return
-        chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        chunks = self.chunk_plan(header)
         self.duty = relaying.RelayDuty.start(self.options.relay_host, self.relay_order, self.step, self.stage, chunks)
 
     def close(self) -> None:
