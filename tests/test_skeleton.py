@@ -10,9 +10,11 @@ CLI counts what the walker yields, and the caller-side walk
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -236,6 +238,67 @@ def test_fold_visits_children_first_with_their_paths() -> None:
     seen.clear()
     skeleton.fold(node, visit, paths=False)
     assert [path for _, path in seen] == [(), (), ()]
+
+
+def test_fold_tensor_shortcut_sees_what_visit_would() -> None:
+    """``tensor`` gets exactly the tensor nodes visit would get as children, with the same paths and results."""
+    node = [
+        skeleton.TAG_DICT,
+        [
+            ["a", [skeleton.TAG_TENSOR, 0]],
+            ["b", [skeleton.TAG_LIST, [[skeleton.TAG_TENSOR, 1], [skeleton.TAG_TUPLE, [[skeleton.TAG_TENSOR, 2]]]]]],
+        ],
+    ]
+    generic: list[Any] = []
+    shortcut: list[Any] = []
+
+    def visit(kind: Any, args: Any, parts: Any, path: Any) -> Any:
+        generic.append((kind.tag, args, path))
+        return (kind.tag, tuple(map(str, parts)))
+
+    def tensor(index: Any, path: Any) -> Any:
+        shortcut.append((skeleton.TAG_TENSOR, [index], path))
+        return visit(skeleton.TENSOR, [index], [], path)
+
+    plain = skeleton.fold(node, visit)
+    tensors = [seen for seen in generic if seen[0] == skeleton.TAG_TENSOR]
+    generic.clear()
+    assert skeleton.fold(node, visit, tensor=tensor) == plain
+    assert shortcut == tensors and len(tensors) == 3
+    # A malformed tensor node is not taken by the shortcut: fold refuses it as before.
+    with pytest.raises(ProtocolError, match="unknown or malformed"):
+        skeleton.fold([skeleton.TAG_LIST, [[skeleton.TAG_TENSOR, 0, 1]]], visit, tensor=tensor)
+
+
+def test_fold_leaves_no_reference_cycle_behind() -> None:
+    """What the visitor holds is freed as fold returns, without the cyclic collector.
+
+    A cycle there kept a received header's objects (246,000 for 20,480
+    tensors) alive until a collection that cost 38 ms at the end of the receive.
+    """
+
+    class Held:
+        pass
+
+    held = Held()
+    alive = weakref.ref(held)
+    node = [
+        skeleton.TAG_DICT,
+        [["a", [skeleton.TAG_TENSOR, 0]], ["b", [skeleton.TAG_LIST, [1, [skeleton.TAG_TENSOR, 1]]]]],
+    ]
+
+    def visit(kind: Any, args: Any, parts: Any, path: Any, held: Any = held) -> Any:
+        return None
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        skeleton.fold(node, visit, tensor=lambda index, path, held=held: None)
+        del visit, held
+        assert alive() is None
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # ----------------------------------------------------------------------------- one classification

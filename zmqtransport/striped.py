@@ -123,6 +123,9 @@ class StripedReceive:
                         self._drain(index, stream)
         finally:
             self._cancel(list(self.book.spans.values()))
+            # The callback usually refers to its owner, which refers to this
+            # run: dropping it spares a garbage collection of the whole header.
+            self._on_landed = None
 
     def prefix_bytes(self) -> int:
         """Bytes of the plan, from the first, that have all landed."""

@@ -379,9 +379,10 @@ def kind_of_value(value: Any, dtensor: type | None) -> NodeKind:
 # ----------------------------------------------------------------------------- the walker
 
 Visit = Callable[[NodeKind, list[Any], list[Any], KeyPath], Any]
+TensorVisit = Callable[[Any, KeyPath], Any]
 
 
-def fold(skeleton: Any, visit: Visit, paths: bool = True) -> Any:
+def fold(skeleton: Any, visit: Visit, paths: bool = True, tensor: TensorVisit | None = None) -> Any:
     """Visit every node of a skeleton once, children before their parent; return the root's value.
 
     A plain value stands for itself; a node's value is ``visit(kind, arguments,
@@ -390,13 +391,37 @@ def fold(skeleton: Any, visit: Visit, paths: bool = True) -> Any:
     with its key's value. With ``paths=False`` every path is ``()`` (building
     them is a third of the cost when they are not needed).
 
+    ``tensor``, when given, stands in for ``visit`` on the tensor nodes
+    (``["T", index]``) that are a container's children: ``tensor(index, path)``
+    must return what ``visit(TENSOR, [index], [], path)`` would. A state dict's
+    nodes are nearly all such children, and the generic route (a call per
+    node, its checks, ``visit``, the kind's rule) cost 1.5 us each.
+
     Raises :class:`ProtocolError` for a node that is not ``[tag, *arguments]``
     of a known kind with the right arity and argument types (``accepts``), for
     a malformed dict item and for nesting deeper than :data:`MAX_DEPTH`.
     """
-    leaf: list[Any] = []  # the parts of every leaf (never written to)
+    if skeleton is None or type(skeleton) in _PLAIN_TYPES:
+        return skeleton
+    return _Folder(visit, paths, tensor).node(skeleton, (), 0)
 
-    def fold_node(node: Any, path: KeyPath, depth: int) -> Any:
+
+class _Folder:
+    """:func:`fold`'s walk. A class, not nested functions: two nested functions
+    that call each other reach each other through their closure cells, a
+    reference cycle that kept ``visit``'s objects (for :func:`build_tree`, the
+    whole received header) alive until the cyclic collector ran: a collection
+    of 246,000 objects, 38 ms, at the end of a receive of 20,480 tensors.
+    """
+
+    __slots__ = ("paths", "tensor", "visit")
+
+    def __init__(self, visit: Visit, paths: bool, tensor: TensorVisit | None) -> None:
+        self.visit = visit
+        self.paths = paths
+        self.tensor = tensor
+
+    def node(self, node: Any, path: KeyPath, depth: int) -> Any:
         # Plain values are returned by the callers below without a call (most dict
         # keys are); the kind's checks are inline: this runs for every node of every header.
         if not isinstance(node, list) or not node or not isinstance(node[0], str):
@@ -407,36 +432,50 @@ def fold(skeleton: Any, visit: Visit, paths: bool = True) -> Any:
             raise ProtocolError(f"{format_path(path)}: unknown or malformed node tag {node[0]!r}")
         shape = kind.shape
         if shape is _LEAF:
-            return visit(kind, args, leaf, path)
+            return self.visit(kind, args, _NO_PARTS, path)
         children = args[-1]
         if not isinstance(children, list):
             raise ProtocolError(f"{format_path(path)}: unknown or malformed node tag {node[0]!r}")
         if children and depth >= MAX_DEPTH:
             raise ProtocolError(f"{format_path(path)}: nesting deeper than {MAX_DEPTH}")
         depth += 1
+        paths = self.paths
+        child = self.child
         if shape is _ITEMS:
             parts = [
                 item
                 if item is None or type(item) in _PLAIN_TYPES
-                else fold_node(item, (*path, i) if paths else path, depth)
+                else child(item, (*path, i) if paths else path, depth)
                 for i, item in enumerate(children)
             ]
-            return visit(kind, args, parts, path)
+            return self.visit(kind, args, parts, path)
         parts = []
+        tensor = self.tensor
         for pair in children:
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ProtocolError(f"{format_path(path)}: malformed dict item")
             key, value = pair
             if key is not None and type(key) not in _PLAIN_TYPES:
-                key = fold_node(key, path, depth)
+                key = self.node(key, path, depth)
             if value is not None and type(value) not in _PLAIN_TYPES:
-                value = fold_node(value, (*path, key) if paths else path, depth)
+                at = (*path, key) if paths else path
+                if tensor is not None and type(value) is list and len(value) == 2 and value[0] == TAG_TENSOR:
+                    value = tensor(value[1], at)  # child(), inline: most values of a state dict are tensors
+                else:
+                    value = self.node(value, at, depth)
             parts.append((key, value))
-        return visit(kind, args, parts, path)
+        return self.visit(kind, args, parts, path)
 
-    if skeleton is None or type(skeleton) in _PLAIN_TYPES:
-        return skeleton
-    return fold_node(skeleton, (), 0)
+    def child(self, node: Any, path: KeyPath, depth: int) -> Any:
+        # A tensor node straight to ``tensor``: exactly the nodes node() would
+        # send to visit(TENSOR, ...) (a list of the tag and one argument).
+        tensor = self.tensor
+        if tensor is not None and type(node) is list and len(node) == 2 and node[0] == TAG_TENSOR:
+            return tensor(node[1], path)
+        return self.node(node, path, depth)
+
+
+_NO_PARTS: list[Any] = []  # the parts of every leaf (never written to)
 
 
 def walk(skeleton: Any) -> Iterator[tuple[str, list[Any]]]:
@@ -528,6 +567,13 @@ class _Index:
             raise ProtocolError(f"{format_path(path)}: bad tensor index {value!r}")
         self.paths[value] = path
 
+    def tensor_node(self, value: Any, path: KeyPath) -> Any:
+        """:meth:`visit` of a tensor node ``["T", value]`` (``fold``'s shortcut): ``_check_tensor``'s work."""
+        if type(value) is not int or not 0 <= value < self.n_tensors or value in self.paths:
+            raise ProtocolError(f"{format_path(path)}: bad tensor index {value!r}")
+        self.paths[value] = path
+        return (TAG_TENSOR, value)
+
     def visit(self, kind: NodeKind, args: list[Any], parts: list[Any], path: KeyPath) -> Any:
         """The python key a node decodes to (used for dict keys in paths), once checked.
 
@@ -538,8 +584,9 @@ class _Index:
         if kind.shape is _LEAF:
             return key
         if kind.shape is _PAIRS:
-            if any(key is _UNHASHABLE for key, _ in parts):
-                raise ProtocolError(f"{format_path(path)}: unhashable dict key")
+            for key, _ in parts:
+                if key is _UNHASHABLE:
+                    raise ProtocolError(f"{format_path(path)}: unhashable dict key")
             return _UNHASHABLE
         keys = tuple(parts)
         return keys if kind.hashable and _UNHASHABLE not in keys else _UNHASHABLE
@@ -559,7 +606,7 @@ def index_skeleton(
     each DTensor, by the index of its local tensor.
     """
     index = _Index(n_tensors, allow_pickle, dtensor_specs)
-    fold(skeleton, index.visit)
+    fold(skeleton, index.visit, tensor=index.tensor_node)
     if len(index.paths) != n_tensors:
         raise ProtocolError(f"skeleton uses {len(index.paths)} of {n_tensors} tensor table entries")
     return index.paths
@@ -572,4 +619,9 @@ def build_tree(
 ) -> Any:
     """Rebuild the object from a skeleton already checked by :func:`index_skeleton`."""
     builders = Builders(leaf, make_dtensor)
-    return fold(skeleton, lambda kind, args, parts, path: kind.build(args, parts, builders), paths=False)
+    return fold(
+        skeleton,
+        lambda kind, args, parts, path: kind.build(args, parts, builders),
+        paths=False,
+        tensor=lambda index, path: leaf(index),
+    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -103,9 +103,13 @@ class EncodedTree:
 # ----------------------------------------------------------------------------- receiving side
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One validated tensor-table entry."""
+class TensorSpec(NamedTuple):
+    """One validated tensor-table entry.
+
+    A named tuple, not a frozen dataclass: a receive makes one per tensor, and
+    a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field)
+    cost 1.1 us against 0.4 us, 22 ms of a 20,480-tensor receive.
+    """
 
     storage: int
     dtype: torch.dtype
@@ -144,51 +148,102 @@ def int_list(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _dims(value: Any, number: int, what: str) -> tuple[int, ...]:
-    """:func:`int_list` for tensor entry ``number``, composing its message only on failure."""
-    if isinstance(value, list) and len(value) <= 64:
-        for item in value:
-            if type(item) is not int or item < 0 or item > 2**62:
-                break
-        else:
-            return tuple(value)
-    return int_list(value, f"tensor entry {number} {what}")
+# Largest size, stride, offset or element count an entry may hold: torch
+# counts elements in int64, and a bigger product fails in set_().
+_MAX_DIM = 2**62
+_MAX_DIMS = 64
 
 
 def decode_tensor_table(entries: Any, storage_nbytes: list[int]) -> list[TensorSpec]:
-    """Validate the tensor table against the storages; every view must lie inside its storage."""
+    """Validate the tensor table against the storages; every view must lie inside its storage.
+
+    Each entry first goes through :func:`_valid_spec`, which checks everything
+    in one pass and builds no message; an entry it refuses is decoded again
+    by :func:`_decode_entry`, which raises the error naming what is wrong.
+    """
     if not isinstance(entries, list):
         raise ProtocolError("tensor table must be a list")
     specs: list[TensorSpec] = []
+    append = specs.append
+    n_storages = len(storage_nbytes)
     for number, entry in enumerate(entries):
-        if not isinstance(entry, list) or len(entry) != 7:
-            raise ProtocolError(f"tensor entry {number} is malformed")
-        storage, dtype, shape, stride, offset, requires_grad, is_param = entry
-        if type(storage) is not int or not 0 <= storage < len(storage_nbytes):
-            raise ProtocolError(f"tensor entry {number} names unknown storage {storage!r}")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise ProtocolError(f"tensor entry {number} has unknown dtype {dtype!r}")
-        # _dims, not int_list: its message argument, an f-string built for every
-        # entry, was a third of the cost of this loop (20,480 tensors: 90 ms).
-        shape_t = _dims(shape, number, "shape")
-        stride_t = _dims(stride, number, "stride")
-        if len(shape_t) != len(stride_t):
-            raise ProtocolError(f"tensor entry {number}: shape and stride differ in length")
-        if type(offset) is not int or not 0 <= offset <= 2**62:
-            raise ProtocolError(f"tensor entry {number} has invalid offset {offset!r}")
-        if math.prod(shape_t) > 2**62:
-            # torch counts elements in int64; a bigger product fails in set_().
-            raise ProtocolError(f"tensor entry {number} has more than 2**62 elements")
-        if type(requires_grad) is not bool or type(is_param) is not bool:
-            raise ProtocolError(f"tensor entry {number} has invalid flags")
-        spec = TensorSpec(storage, DTYPES[dtype], shape_t, stride_t, offset, requires_grad, is_param)
-        if math.prod(shape_t) > 0:
-            itemsize = spec.dtype.itemsize
-            last = offset + sum((n - 1) * s for n, s in zip(shape_t, stride_t, strict=True))
-            if (last + 1) * itemsize > storage_nbytes[storage]:
-                raise ProtocolError(
-                    f"tensor entry {number} reaches byte {(last + 1) * itemsize} of storage "
-                    f"{storage}, which has {storage_nbytes[storage]} bytes"
-                )
-        specs.append(spec)
+        spec = _valid_spec(entry, storage_nbytes, n_storages)
+        append(spec if spec is not None else _decode_entry(number, entry, storage_nbytes))
     return specs
+
+
+def _valid_spec(entry: Any, storage_nbytes: list[int], n_storages: int) -> TensorSpec | None:
+    """``entry`` as a spec when it is valid, else None (refused by :func:`_decode_entry`, same rules).
+
+    The per-tensor cost of a receive of many small tensors: 20,480 entries took
+    50 ms through the checks of :func:`_decode_entry` (a call per size list,
+    generator sums), 15 ms here.
+    """
+    if type(entry) is not list or len(entry) != 7:
+        return None
+    storage, name, shape, stride, offset, requires_grad, is_param = entry
+    if not (
+        type(storage) is int
+        and 0 <= storage < n_storages
+        and type(name) is str
+        and type(shape) is list
+        and type(stride) is list
+        and len(shape) == len(stride) <= _MAX_DIMS
+        and type(offset) is int
+        and 0 <= offset <= _MAX_DIM
+        and type(requires_grad) is bool
+        and type(is_param) is bool
+    ):
+        return None
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        return None
+    if len(shape) == 1:  # most tensors of a state dict: no loop (a zip costs 0.2 us)
+        count = size = shape[0]
+        step = stride[0]
+        if type(size) is not int or type(step) is not int or not 0 <= size <= _MAX_DIM or not 0 <= step <= _MAX_DIM:
+            return None
+        last = offset + (size - 1) * step  # the last element's index in the storage, when there is one
+    else:
+        count = 1
+        last = offset
+        for size, step in zip(shape, stride, strict=False):  # of equal length (checked above)
+            if type(size) is not int or type(step) is not int or not 0 <= size <= _MAX_DIM or not 0 <= step <= _MAX_DIM:
+                return None
+            count *= size
+            last += (size - 1) * step
+    if count > _MAX_DIM or (count and (last + 1) * dtype.itemsize > storage_nbytes[storage]):
+        return None
+    return TensorSpec(storage, dtype, tuple(shape), tuple(stride), offset, requires_grad, is_param)
+
+
+def _decode_entry(number: int, entry: Any, storage_nbytes: list[int]) -> TensorSpec:
+    """Entry ``number`` checked rule by rule, raising a :class:`ProtocolError` that names the first it breaks."""
+    if not isinstance(entry, list) or len(entry) != 7:
+        raise ProtocolError(f"tensor entry {number} is malformed")
+    storage, dtype, shape, stride, offset, requires_grad, is_param = entry
+    if type(storage) is not int or not 0 <= storage < len(storage_nbytes):
+        raise ProtocolError(f"tensor entry {number} names unknown storage {storage!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ProtocolError(f"tensor entry {number} has unknown dtype {dtype!r}")
+    shape_t = int_list(shape, f"tensor entry {number} shape")
+    stride_t = int_list(stride, f"tensor entry {number} stride")
+    if len(shape_t) != len(stride_t):
+        raise ProtocolError(f"tensor entry {number}: shape and stride differ in length")
+    if type(offset) is not int or not 0 <= offset <= _MAX_DIM:
+        raise ProtocolError(f"tensor entry {number} has invalid offset {offset!r}")
+    if math.prod(shape_t) > _MAX_DIM:
+        # torch counts elements in int64; a bigger product fails in set_().
+        raise ProtocolError(f"tensor entry {number} has more than 2**62 elements")
+    if type(requires_grad) is not bool or type(is_param) is not bool:
+        raise ProtocolError(f"tensor entry {number} has invalid flags")
+    spec = TensorSpec(storage, DTYPES[dtype], shape_t, stride_t, offset, requires_grad, is_param)
+    if math.prod(shape_t) > 0:
+        itemsize = spec.dtype.itemsize
+        last = offset + sum((n - 1) * s for n, s in zip(shape_t, stride_t, strict=True))
+        if (last + 1) * itemsize > storage_nbytes[storage]:
+            raise ProtocolError(
+                f"tensor entry {number} reaches byte {(last + 1) * itemsize} of storage "
+                f"{storage}, which has {storage_nbytes[storage]} bytes"
+            )
+    return spec
