@@ -349,3 +349,18 @@ def test_lab_kill_scenario_reports_the_survivors() -> None:
     assert trial["killed"] == [1]
     assert len(trial["seconds"]) == len(trial["recv_paths"]) == 2
     assert all(sum(paths.values()) == 8 << 20 for paths in trial["recv_paths"])
+
+
+def test_bytes_per_path_are_medians_by_address() -> None:
+    from zmqtransport.bench.runner import Trial, path_host, summarize
+
+    def trial(number: int, relay_port: int) -> Trial:
+        # Two receivers: one from the source, one from a relaying receiver (a new process, a new port, each trial).
+        paths = [{"tcp://10.77.0.1:5000": 6 << 20}, {f"tcp://10.77.0.2:{relay_port}": 4 << 20}]
+        return Trial("zmq-fresh", number, [1.0, 1.0], [], [0, 0], 0, 0.0, [0, 0], [], [0.1, 0.1], paths, [0, 1])
+
+    scenario = bench.Scenario("x", 10 << 20, 1 << 20, receivers=2, methods=("zmq-fresh",))
+    entry = summarize(scenario, [trial(0, 6001), trial(1, 6002), trial(2, 6003)])["zmq-fresh"]
+    assert entry.recv_paths == {"10.77.0.1": 6 << 20, "10.77.0.2": 4 << 20}
+    assert entry.duplicates == 1
+    assert path_host("tcp://10.77.1.1:41509") == "10.77.1.1" and path_host("10.77.1.1") == "10.77.1.1"

@@ -15,7 +15,7 @@ import zmq
 
 from .config import Knobs
 from .methods import METHODS, CutMethod
-from .runner import MethodSummary, ScenarioResult
+from .runner import MethodSummary, ScenarioResult, path_host
 from .targets import Target, evaluate_targets
 
 _MIB = float(1 << 20)
@@ -139,13 +139,9 @@ def _ideal_s(result: ScenarioResult) -> float:
 
 
 def _path_hosts(result: ScenarioResult) -> list[str]:
-    """The source addresses ZMQTransport's receivers landed bytes from (each method has its own port)."""
+    """The addresses ZMQTransport's receivers landed bytes from: the source's paths and, relaying, other receivers."""
     endpoints = {endpoint for entry in result.summary.values() for endpoint in entry.recv_paths}
-    return sorted({_host_of(endpoint) for endpoint in endpoints})
-
-
-def _host_of(endpoint: str) -> str:
-    return endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+    return sorted({path_host(endpoint) for endpoint in endpoints})
 
 
 def _lab_row(result: ScenarioResult, entry: MethodSummary, ideal: float, hosts: list[str]) -> list[str]:
@@ -160,7 +156,7 @@ def _lab_row(result: ScenarioResult, entry: MethodSummary, ideal: float, hosts: 
     if len(entry.source_sent) > 1:
         row.append("/".join(f"{nic / _MIB:.0f}" for nic in entry.source_sent))
     if hosts and entry.recv_paths:
-        per_host = [sum(n for e, n in entry.recv_paths.items() if _host_of(e) == host) for host in hosts]
+        per_host = [sum(n for e, n in entry.recv_paths.items() if path_host(e) == host) for host in hosts]
         row += ["/".join(f"{nbytes / _MIB:.0f}" for nbytes in per_host), str(entry.duplicates)]
     elif hosts:
         row += ["-", "-"]

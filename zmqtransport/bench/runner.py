@@ -198,7 +198,7 @@ class MethodSummary:
     in_place_tensors: int
     source_sent: list[int]  # median bytes per source NIC (lab only)
     recv_cpu_s: float = 0.0  # median over trials of the busiest receiver's CPU seconds (all its threads)
-    recv_paths: dict[str, int] = field(default_factory=dict)  # median bytes per path, all receivers together
+    recv_paths: dict[str, int] = field(default_factory=dict)  # median bytes per path address, all receivers
     duplicates: int = 0  # most duplicate data messages in one trial, all receivers together
     cut_s: float | None = None  # median time of the cut (CutMethod)
     ratios: dict[str, float] = field(default_factory=dict)
@@ -387,21 +387,28 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
 
 
 def _median_paths(trials: Sequence[Trial]) -> dict[str, int]:
-    """Per sending address, the median over trials of the bytes all receivers landed from it.
+    """Per path address, the median over trials of the bytes all receivers landed from it.
 
-    Keyed by address, not endpoint: a relay is a fresh receiver process each
-    trial, on a new port, and per endpoint its bytes would show in one trial only.
+    By address, not endpoint: a relaying receiver is a new process with a new
+    port in every trial (the source's port stays).
     """
     totals: list[dict[str, int]] = []
     for trial in trials:
         total: dict[str, int] = {}
         for paths in trial.recv_paths:
             for endpoint, nbytes in paths.items():
-                address = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
-                total[address] = total.get(address, 0) + nbytes
+                host = path_host(endpoint)
+                total[host] = total.get(host, 0) + nbytes
         totals.append(total)
-    endpoints = sorted({endpoint for total in totals for endpoint in total})
-    return {endpoint: int(statistics.median(total.get(endpoint, 0) for total in totals)) for endpoint in endpoints}
+    hosts = sorted({host for total in totals for host in total})
+    return {host: int(statistics.median(total.get(host, 0) for total in totals)) for host in hosts}
+
+
+def path_host(endpoint: str) -> str:
+    """``tcp://HOST:PORT`` -> ``HOST`` (an address alone stays as it is)."""
+    hostport = endpoint.removeprefix("tcp://")
+    host, sep, port = hostport.rpartition(":")
+    return host if sep and port.isdigit() else hostport
 
 
 def _median_or_none(values: Sequence[float | None]) -> float | None:
