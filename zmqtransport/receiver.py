@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import random
 import time
 import zlib
@@ -29,11 +28,12 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, liveness, paths, relaying, striped, wire
+from . import buffers, landing, liveness, relaying, striped, wire
+from .connections import Connections
 from .device import CPU, DeviceStaging, RecvUnstager
 from .errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
 from .landed import Landed, build, integrity_error, land, recv_exact
-from .net import PeerAddress, parse_metadata
+from .net import PeerAddress
 from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -84,8 +84,6 @@ class _Receiver:
         options: FetchOptions,
     ) -> None:
         self.address = address
-        self.endpoint = address.endpoint  # the path in use (the first until several are tried)
-        self.context = context
         self.src_rank = src_rank  # None: the caller has no rank for the peer (fetch_header)
         self.step = step
         self.timeout = timeout
@@ -97,28 +95,18 @@ class _Receiver:
         self.stage: int | None = None  # the staging's id, from a sender that serves span fetches
         self.relay_order: wire.RelayOrder | None = None  # what the source said about relaying
         self.duty: relaying.RelayDuty | None = None  # serving what lands to the downstream
-        self.spare: list[paths.Candidate] = []  # further paths' DEALERs kept for a striped receive
-        self.extra: list[paths.Candidate] = []  # further connections opened for a striped receive
-        self.path = address.paths[0]  # the path of self.socket
         self.bounce_bytes = 0  # size of each pinned bounce buffer (device receives only)
         self._chunks: tuple[wire.Header, list[list[wire.Piece]]] | None = None
-        # Closed again if configuring it fails (a bad key, say): a socket left
-        # open would make the transport's shutdown wait forever in Context.term().
-        # The watch is set up before connecting, so it sees the handshake.
-        racing = bool(address.more_paths)
-        first = paths.open_candidate(context, address.paths[0], self._configure, options.stall_timeout, racing)
-        self.socket, self.source = first.socket, first.watch
+        self.conns = Connections(context, address, options.stall_timeout, options.configure, options.configure_for)
 
-    def _configure(self, sock: zmq.Socket[Any], peer_options: bool = True) -> None:
-        sock.setsockopt(zmq.IPV6, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
-        # An explicit routing id survives a reconnect, so a sender that had to
-        # rebuild its ROUTER (forced release of a stalled receiver) can still
-        # answer a request it parked before. Ids must not start with a zero byte.
-        sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
-        liveness.configure_heartbeats(sock, self.options.stall_timeout)
-        if peer_options and self.options.configure is not None:
-            self.options.configure(sock)  # the source's (CurveZMQ server key)
+    @property
+    def socket(self) -> zmq.Socket[Any]:
+        """The connection the request and header go over (and the data, over one connection)."""
+        return self.conns.socket
+
+    @property
+    def source(self) -> liveness.SourceWatch:
+        return self.conns.watch
 
     # ----------------------------------------------------------------- socket helpers
 
@@ -187,32 +175,22 @@ class _Receiver:
 
     # ----------------------------------------------------------------- phases
 
-    def _connect(self, keep: bool) -> None:
-        """Connect to the only path, or to the most preferred of several that connects (:mod:`zmqtransport.paths`).
+    @property
+    def endpoint(self) -> str:
+        """The path in use (the first until several are tried)."""
+        return self.conns.path.endpoint
 
-        ``keep``: a striped receive keeps the other paths' DEALERs in :attr:`spare`.
-        """
-        if not self.address.more_paths:
-            self.socket.connect(self.endpoint)
-            return
-        candidates = [paths.Candidate(self.address.paths[0], self.socket, self.source)]
-        try:
-            for path in self.address.more_paths:
-                candidates.append(paths.open_candidate(self.context, path, self._configure, self.options.stall_timeout))
-        except BaseException:
-            for candidate in candidates[1:]:
-                candidate.close()
-            raise
-        winner, self.spare, tried = paths.connect_first(candidates, self.deadline, keep=keep)
-        if winner is None:
+    def _connect(self, keep: bool) -> None:
+        """Connect to the only path, or to the most preferred of several that connects (:mod:`.connections`)."""
+        tried = self.conns.connect(self.deadline, keep)
+        if tried is not None:
             raise TimeoutError(
                 f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for a connection to "
                 f"{self._peer(at=False)} (step {self.step}); paths tried: {tried}"
             )
-        self.socket, self.source, self.endpoint = winner.socket, winner.watch, winner.path.endpoint
-        self.path = winner.path
         self.stats.peer = self.endpoint
-        logger.debug("%s: using path %s of %s", self._peer(at=False), self.endpoint, tried)
+        if self.address.more_paths:
+            logger.debug("%s: using path %s", self._peer(at=False), self.endpoint)
 
     def request(self, header_only: bool = False, keep_paths: bool = False) -> None:
         self._connect(keep_paths)
@@ -354,9 +332,7 @@ class _Receiver:
 
     def fall_back_to_one_stream(self) -> None:
         """The source serves no span fetches: drop the other paths, fetch everything on this connection."""
-        for candidate in self.spare:
-            candidate.close()
-        self.spare = []
+        self.conns.drop_spare()
         self.xfer = random.getrandbits(63)
         self.send_request(relay=False)  # it relays nothing either
 
@@ -370,7 +346,7 @@ class _Receiver:
             self.step, self.stage, self.options.allow_pickle, self.deadline, self.options.stall_timeout
         )
         duty = self._attach_duty(landed, unstager)
-        streams = self._open_streams()
+        streams = self.conns.streams(self.options.streams, self.relay_order)
         run = striped.StripedReceive(
             streams,
             chunks,
@@ -402,57 +378,6 @@ class _Receiver:
                 endpoint = stream.path.endpoint
                 self.stats.paths[endpoint] = self.stats.paths.get(endpoint, 0) + stream.bytes
 
-    def _open_streams(self) -> list[striped.Stream]:
-        """This receive's connections: the header's, the other paths' kept ones, and more up to ``streams``."""
-        candidates = [paths.Candidate(self.path, self.socket, self.source), *self.spare]
-        count = self.options.streams if self.options.streams is not None else len(candidates)
-        for candidate in candidates[count:]:
-            candidate.close()
-        candidates = candidates[:count]
-        now = time.monotonic()
-        for candidate in candidates:
-            candidate.watch.read_events(now)
-        # More connections than paths: spread over the paths that are up, most preferred first.
-        targets = [c.path for c in candidates if c.watch.state.established] or [self.path]
-        for extra in range(count - len(candidates)):
-            path = targets[extra % len(targets)]
-            candidate = paths.open_candidate(self.context, path, self._configure, self.options.stall_timeout, False)
-            self.extra.append(candidate)
-            candidate.socket.connect(path.endpoint)
-            candidates.append(candidate)
-        self.spare = candidates[1:]
-        streams = [striped.Stream(c.path, c.socket, c.watch) for c in candidates]
-        order = self.relay_order
-        if order is not None and order.upstream is not None:
-            # Fetch from the relay the source named; the source's connections stand by.
-            for stream in streams:
-                stream.standby = True
-            streams[:0] = self._open_relay_streams(order)
-        return streams
-
-    def _open_relay_streams(self, order: wire.RelayOrder) -> list[striped.Stream]:
-        """One connection per path of the upstream relay, showing the token the source gave for it."""
-        assert order.upstream is not None
-        try:
-            upstream = parse_metadata(order.upstream)
-        except ValueError as exc:
-            raise ProtocolError(f"the source named a relay with malformed metadata: {exc}") from None
-        configure_for = self.options.configure_for
-        extra_options = configure_for(upstream) if configure_for is not None else None
-
-        def configure(sock: zmq.Socket[Any]) -> None:
-            self._configure(sock, peer_options=False)
-            if extra_options is not None:
-                extra_options(sock)
-
-        streams = []
-        for path in upstream.paths:
-            candidate = paths.open_candidate(self.context, path, configure, self.options.stall_timeout, False)
-            self.extra.append(candidate)
-            candidate.socket.connect(path.endpoint)
-            streams.append(striped.Stream(path, candidate.socket, candidate.watch, token=order.upstream_token))
-        return streams
-
     def cancel(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
@@ -480,10 +405,7 @@ class _Receiver:
     def close(self) -> None:
         if self.duty is not None:
             self.duty.stop()  # before anything is handed to the caller, whatever happened
-        for candidate in (*self.spare, *self.extra):
-            candidate.close()
-        self.source.close()
-        self.socket.close(linger=0)
+        self.conns.close()
 
 
 def fetch(
