@@ -157,3 +157,112 @@ def test_issue16_targets_follow_the_scenario_shape() -> None:
         ("fanout", "zmq-fresh slowest / http slowest speed"): (1.0, True),
     }
     assert "targets (issue 16, measured cold):" in format_targets(cold)
+
+
+def _timed(method: str, seconds: float, paths: dict[str, int] | None = None) -> bench.runner.MethodSummary:
+    summary = bench.runner.MethodSummary(method, seconds, seconds, None, 1.0, 1.0, 0, 0, 0.0, 0, [0, 0])
+    summary.recv_paths = paths or {}
+    return summary
+
+
+def test_issue12_targets_are_ratios_to_one_stream_in_the_same_lab() -> None:
+    from zmqtransport.bench.config import LabSpec, Scenario
+    from zmqtransport.bench.report import format_lab_result, format_targets
+    from zmqtransport.bench.runner import ScenarioResult
+    from zmqtransport.bench.targets import evaluate_targets
+
+    both = {"tcp://10.77.0.1:5000": 64 << 20, "tcp://10.77.1.1:5000": 64 << 20}
+    two_nics = ScenarioResult(
+        Scenario("lab-paths", 128 << 20, 4 << 20, lab=LabSpec(nics=2)),
+        [],
+        {
+            "zmq-inplace-1s": _timed("zmq-inplace-1s", 2.8, {"tcp://10.77.0.1:5001": 128 << 20}),
+            "zmq-inplace": _timed("zmq-inplace", 1.5, both),
+            "zmq-inplace-cut": _timed("zmq-inplace-cut", 3.9, {"tcp://10.77.1.1:5002": 128 << 20}),
+            "http-4": _timed("http-4", 2.8),
+        },
+        1.0,
+        True,
+    )
+    one_nic = ScenarioResult(
+        Scenario("lab-streams", 128 << 20, 4 << 20, lab=LabSpec()),
+        [],
+        {"zmq-inplace-1s": _timed("zmq-inplace-1s", 2.8), "zmq-inplace-4s": _timed("zmq-inplace-4s", 2.9)},
+        1.0,
+        True,
+    )
+    loopback = ScenarioResult(  # no lab: no issue-12 target even with the same methods
+        Scenario("custom", 128 << 20, 4 << 20),
+        [],
+        {"zmq-inplace-1s": _timed("zmq-inplace-1s", 1.0), "zmq-inplace": _timed("zmq-inplace", 1.0)},
+        1.0,
+        True,
+    )
+    targets = [t for t in evaluate_targets([two_nics, one_nic, loopback]) if t.issue == 12]
+    verdicts = {(t.scenario, t.text.split(":")[0]): (round(t.measured, 3), t.limit, t.holds) for t in targets}
+    assert verdicts == {
+        ("lab-paths", "zmq-inplace seconds / zmq-inplace-1s (one NIC) seconds"): (0.536, 0.6, True),
+        ("lab-paths", "zmq-inplace-cut seconds / zmq-inplace-1s (one NIC) seconds"): (1.393, 1.3, False),
+        ("lab-streams", "zmq-inplace-4s seconds / zmq-inplace-1s (one NIC) seconds"): (1.036, 1.05, True),
+    }
+    assert "targets (issue 12, measured cold):" in format_targets(targets)
+    table = format_lab_result(two_nics)
+    # Bytes per path in address order, whatever port each method's source had; "-" for other transports.
+    assert "on 10.77.0.1 / 10.77.1.1" in table
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line.startswith(("zmq", "http"))}
+    assert rows["zmq-inplace"][-2:] == ["64/64", "0"]
+    assert rows["zmq-inplace-1s"][-2:] == ["128/0", "0"]
+    assert rows["zmq-inplace-cut"][-2:] == ["0/128", "0"]
+    assert rows["http-4"][-2:] == ["-", "-"]
+    assert "zmq-inplace-cut: the source's NIC 1 went down never" in table
+
+
+def test_a_cut_needs_a_lab_with_that_nic() -> None:
+    from zmqtransport.bench.config import LabSpec, Scenario
+    from zmqtransport.bench.runner import BenchError, _check_cuts
+
+    _check_cuts(Scenario("two", 1 << 20, 1 << 20, methods=("zmq-inplace-cut",), lab=LabSpec(nics=2)))
+    for lab_spec in (None, LabSpec(nics=1)):
+        with pytest.raises(BenchError, match="zmq-inplace-cut cuts the source's NIC 1"):
+            _check_cuts(Scenario("one", 1 << 20, 1 << 20, methods=("zmq-inplace-cut",), lab=lab_spec))
+
+
+@pytest.mark.skipif(lab.unavailable_reason() is not None, reason=lab.unavailable_reason() or "")
+def test_lab_paths_scenario_stripes_and_survives_the_cut() -> None:
+    done = _run(
+        "--scenario",
+        "lab-paths",
+        "--total",
+        "32M",  # a striped receive asks for spans of 4 MiB, two at a time per connection
+        "--tensor",
+        "4M",
+        "--rate",
+        "1000",
+        "--methods",
+        "zmq-inplace-1s,zmq-inplace,zmq-inplace-cut",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    (scenario,) = json.loads(done.stdout)["scenarios"]
+    summary = scenario["summary"]
+    # Served on both NICs: the default receive lands bytes over both paths, one stream over one.
+    assert len(summary["zmq-inplace"]["recv_paths"]) == 2
+    assert all(nic > 0 for nic in summary["zmq-inplace"]["source_sent"])
+    assert len(summary["zmq-inplace-1s"]["recv_paths"]) == 1
+    # The cut trial completed (its content was checked) and restored the link for the trials after it.
+    assert sum(summary["zmq-inplace-cut"]["recv_paths"].values()) == 32 << 20
+
+
+def test_bytes_per_path_are_medians_by_address() -> None:
+    from zmqtransport.bench.runner import Trial, path_host, summarize
+
+    def trial(number: int, relay_port: int) -> Trial:
+        # Two receivers: one from the source, one from a relaying receiver (a new process, a new port, each trial).
+        paths = [{"tcp://10.77.0.1:5000": 6 << 20}, {f"tcp://10.77.0.2:{relay_port}": 4 << 20}]
+        return Trial("zmq-fresh", number, [1.0, 1.0], [], [0, 0], 0, 0.0, [0, 0], [], [0.1, 0.1], paths, [0, 1])
+
+    scenario = bench.Scenario("x", 10 << 20, 1 << 20, receivers=2, methods=("zmq-fresh",))
+    entry = summarize(scenario, [trial(0, 6001), trial(1, 6002), trial(2, 6003)])["zmq-fresh"]
+    assert entry.recv_paths == {"10.77.0.1": 6 << 20, "10.77.0.2": 4 << 20}
+    assert entry.duplicates == 1
+    assert path_host("tcp://10.77.1.1:41509") == "10.77.1.1" and path_host("10.77.1.1") == "10.77.1.1"

@@ -161,7 +161,16 @@ class ReceiverProcess:
             in_place = sum(1 for t in tensors if t.untyped_storage().data_ptr() in owned)
         del tensors
         release_free_memory()
-        return {"seconds": seconds, "cpu": cpu, "rss": growth, "in_place": in_place, "resettable": meter.resettable}
+        stats = self.receiving.stats()
+        return {
+            "seconds": seconds,
+            "cpu": cpu,
+            "rss": growth,
+            "in_place": in_place,
+            "resettable": meter.resettable,
+            "paths": stats.get("paths", {}),
+            "duplicates": stats.get("duplicates", 0),
+        }
 
     def close(self) -> None:
         if self.receiving is not None:

@@ -22,7 +22,7 @@ from .config import (
     parse_size,
     torchft_available,
 )
-from .methods import METHODS, NUMPY, TORCHFT
+from .methods import METHODS, NUMPY, TORCHFT, VARIANTS
 from .report import format_result, format_targets, machine_description, to_json
 from .runner import BenchError, ScenarioResult, run_scenario
 from .targets import evaluate_targets
@@ -119,7 +119,11 @@ def _methods_for(
     elif custom:
         mode = args.mode or "both"
         wanted = {"inplace": True, "fresh": False}.get(mode)
-        methods = tuple(name for name, m in METHODS.items() if wanted is None or m.anchor or m.into_targets == wanted)
+        methods = tuple(
+            name
+            for name, m in METHODS.items()
+            if name not in VARIANTS and (wanted is None or m.anchor or m.into_targets == wanted)
+        )
     else:
         methods = scenario.methods
     unknown = [m for m in methods if m not in METHODS]

@@ -103,6 +103,24 @@ def _presets() -> dict[str, Scenario]:
         "lab-1to1": Scenario("lab-1to1", 64 * mib, 4 * mib, methods=lab_methods, reps=3, lab=LabSpec()),
         "lab-1to3": Scenario("lab-1to3", 64 * mib, 4 * mib, receivers=3, methods=lab_methods, reps=3, lab=LabSpec()),
         "lab-2nic": Scenario("lab-2nic", 64 * mib, 4 * mib, methods=lab_methods, reps=3, lab=LabSpec(nics=2)),
+        # Issue 12: both paths vs one stream on one NIC, and a path cut mid-transfer (2 NICs) ...
+        "lab-paths": Scenario(
+            "lab-paths",
+            128 * mib,
+            4 * mib,
+            methods=("tcp-reused", "zmq-inplace-1s", "zmq-inplace", "zmq-inplace-cut", "http-4"),
+            reps=3,
+            lab=LabSpec(nics=2),
+        ),
+        # ... and four connections vs one on one NIC.
+        "lab-streams": Scenario(
+            "lab-streams",
+            128 * mib,
+            4 * mib,
+            methods=("tcp-reused", "zmq-inplace-1s", "zmq-inplace-4s", "http-4"),
+            reps=5,
+            lab=LabSpec(),
+        ),
     }
 
 

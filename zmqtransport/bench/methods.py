@@ -35,11 +35,16 @@ NUMPY = "numpy"
 
 @dataclass(frozen=True)
 class Place:
-    """Where a process runs: its network namespace (None: this one) and address."""
+    """Where a process runs: its network namespace (None: this one) and address(es)."""
 
     namespace: str | None = None
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address every method uses (a lab host's first NIC)
     interface: str = "lo"  # for gloo (GLOO_SOCKET_IFNAME)
+    more_hosts: tuple[str, ...] = ()  # the host's other NICs' addresses: ZMQTransport serves on every one
+
+    @property
+    def hosts(self) -> list[str]:
+        return [self.host, *self.more_hosts]
 
 
 @dataclass
@@ -98,6 +103,7 @@ class Serving(Protocol):
 
 class Receiving(Protocol):
     def receive(self, step: int) -> list[Any]: ...
+    def stats(self) -> dict[str, Any]: ...  # what the last receive reported about itself ({} if nothing)
     def close(self) -> None: ...
 
 
@@ -201,6 +207,9 @@ class _TcpReceiving:
             recv_views(conn, views)
         return list(tensors)
 
+    def stats(self) -> dict[str, Any]:
+        return {}
+
     def close(self) -> None:
         return None
 
@@ -249,6 +258,9 @@ class _BareReceiving:
     def receive(self, step: int) -> list[Any]:
         bare_receive(self.env.metadata, step, self.env.target_views, self.env.knobs.timeout_s)
         return list(self.env.targets)
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
     def close(self) -> None:
         return None
@@ -304,32 +316,80 @@ class _TransportReceiving:
         result = self.transport.recv_checkpoint(0, self.env.metadata, step, self.env.timeout)
         return list(result.values())
 
+    def stats(self) -> dict[str, Any]:
+        """ZMQTransport's receive stats: bytes per path, connections, duplicates dropped."""
+        stats = getattr(self.transport, "last_recv_stats", None)
+        if stats is None:
+            return {}
+        return {"paths": dict(stats.paths), "streams": stats.streams, "duplicates": stats.duplicate_messages}
+
     def close(self) -> None:
         self.transport.shutdown(wait=False)
 
 
 @dataclass(frozen=True)
 class ZmqMethod:
-    """ZMQTransport, into the receiver's own tensors (``state_dict``) or fresh ones."""
+    """ZMQTransport, into the receiver's own tensors (``state_dict``) or fresh ones.
+
+    Every process serves on all of its host's addresses (one path per NIC in a
+    lab). ``streams``: the receiver's option (None: one connection per path).
+    """
 
     name: str
     into_targets: bool
     anchor: bool = False
     requires: frozenset[str] = frozenset()
+    streams: int | None = None
 
     def _transport(self, env: SendEnv | RecvEnv, **extra: Any) -> ZMQTransport[Any]:
-        host = env.place.host
-        return ZMQTransport(env.timeout, bind_host=host, advertise_host=host, **env.knobs.zmq_kwargs(), **extra)
+        hosts = env.place.hosts
+        options = {**env.knobs.zmq_kwargs(), **extra}
+        return ZMQTransport(env.timeout, bind_host=hosts, advertise_host=hosts, **options)
 
     def serve(self, env: SendEnv) -> Serving:
         transport = self._transport(env)
         return _TransportServing(env, transport, transport.metadata())
 
     def receiver(self, env: RecvEnv) -> Receiving:
+        extra: dict[str, Any] = {} if self.streams is None else {"streams": self.streams}
         if self.into_targets:
             state = env.target_state
-            return _TransportReceiving(env, self._transport(env, state_dict=lambda: state))
-        return _TransportReceiving(env, self._transport(env))
+            extra["state_dict"] = lambda: state
+        return _TransportReceiving(env, self._transport(env, **extra))
+
+
+@dataclass(frozen=True)
+class CutMethod:
+    """Another method whose receive loses a path: the source's NIC ``nic`` goes down mid-transfer.
+
+    The runner takes the link down ``after_fraction`` of the one-NIC ideal time
+    (state bytes / one link's rate) into each timed receive, and up again after
+    it (lab scenarios with more than one NIC only). The receiver's content
+    check still runs: a row means the receive completed bit-exact.
+    """
+
+    name: str
+    inner: Method
+    nic: int = 1
+    after_fraction: float = 0.3
+
+    @property
+    def anchor(self) -> bool:
+        return False
+
+    @property
+    def into_targets(self) -> bool:
+        return self.inner.into_targets
+
+    @property
+    def requires(self) -> frozenset[str]:
+        return self.inner.requires
+
+    def serve(self, env: SendEnv) -> Serving:
+        return self.inner.serve(env)
+
+    def receiver(self, env: RecvEnv) -> Receiving:
+        return self.inner.receiver(env)
 
 
 def _http_transport(timeout: timedelta, chunks: int) -> Any:
@@ -450,9 +510,15 @@ METHODS: dict[str, Method] = {
         BareZmqMethod(),
         ZmqMethod("zmq-inplace", into_targets=True),
         ZmqMethod("zmq-fresh", into_targets=False),
+        ZmqMethod("zmq-inplace-1s", into_targets=True, streams=1),
+        ZmqMethod("zmq-inplace-4s", into_targets=True, streams=4),
+        CutMethod("zmq-inplace-cut", ZmqMethod("zmq-inplace", into_targets=True)),
         HttpMethod("http", chunks=0),
         HttpMethod("http-4", chunks=4),
         PgMethod("pg-inplace", into_targets=True),
         PgMethod("pg-fresh", into_targets=False),
     )
 }
+
+# Variants of a method (another option, a fault): run only where named (a preset, --methods).
+VARIANTS = frozenset({"zmq-inplace-1s", "zmq-inplace-4s", "zmq-inplace-cut"})

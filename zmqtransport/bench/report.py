@@ -14,8 +14,8 @@ import torch
 import zmq
 
 from .config import Knobs
-from .methods import METHODS
-from .runner import MethodSummary, ScenarioResult
+from .methods import METHODS, CutMethod
+from .runner import MethodSummary, ScenarioResult, path_host
 from .targets import Target, evaluate_targets
 
 _MIB = float(1 << 20)
@@ -138,7 +138,13 @@ def _ideal_s(result: ScenarioResult) -> float:
     return result.scenario.total_bytes / (lab.nics * lab.rate_mbit * 1e6 / 8)
 
 
-def _lab_row(result: ScenarioResult, entry: MethodSummary, ideal: float) -> list[str]:
+def _path_hosts(result: ScenarioResult) -> list[str]:
+    """The addresses ZMQTransport's receivers landed bytes from: the source's paths and, relaying, other receivers."""
+    endpoints = {endpoint for entry in result.summary.values() for endpoint in entry.recv_paths}
+    return sorted({path_host(endpoint) for endpoint in endpoints})
+
+
+def _lab_row(result: ScenarioResult, entry: MethodSummary, ideal: float, hosts: list[str]) -> list[str]:
     total = result.scenario.total_bytes
     sent = sum(entry.source_sent)
     if result.scenario.receivers == 1:
@@ -149,7 +155,31 @@ def _lab_row(result: ScenarioResult, entry: MethodSummary, ideal: float) -> list
     row += [f"{sent / _MIB:.1f}", f"{sent / total:.2f}"]
     if len(entry.source_sent) > 1:
         row.append("/".join(f"{nic / _MIB:.0f}" for nic in entry.source_sent))
+    if hosts and entry.recv_paths:
+        per_host = [sum(n for e, n in entry.recv_paths.items() if path_host(e) == host) for host in hosts]
+        row += ["/".join(f"{nbytes / _MIB:.0f}" for nbytes in per_host), str(entry.duplicates)]
+    elif hosts:
+        row += ["-", "-"]
     return row
+
+
+def _path_notes(result: ScenarioResult) -> list[str]:
+    """Which paths the receive stats name, and when a cut came."""
+    notes = []
+    hosts = _path_hosts(result)
+    if hosts:
+        notes.append(
+            f"recv paths: bytes ZMQTransport's receivers landed per path (stats.paths), on {' / '.join(hosts)}"
+        )
+    for entry in result.summary.values():
+        chosen = METHODS[entry.method]
+        if isinstance(chosen, CutMethod):
+            when = "never (the receive ended first)" if entry.cut_s is None else f"{entry.cut_s:.2f} s into the receive"
+            notes.append(
+                f"{entry.method}: the source's NIC {chosen.nic} went down {when} (median; planned at "
+                f"{chosen.after_fraction:g} x the one-NIC ideal), up again after it; stamps checked"
+            )
+    return notes
 
 
 def format_lab_result(result: ScenarioResult) -> str:
@@ -163,10 +193,12 @@ def format_lab_result(result: ScenarioResult) -> str:
     nics = result.scenario.lab.nics if result.scenario.lab is not None else 1
     if nics > 1:
         header.append("per NIC MiB")
-    rows = [header] + [_lab_row(result, entry, ideal) for entry in result.summary.values()]
+    hosts = _path_hosts(result)
+    header += ["recv paths MiB", "dup msgs"] if hosts else []
+    rows = [header] + [_lab_row(result, entry, ideal, hosts) for entry in result.summary.values()]
     explained = "state bytes / the nominal rate of one receiver's NICs together"
     lines = [_title(result), f"ideal: {_seconds(ideal)} s ({explained})"]
-    return "\n".join([*lines, *_table(rows), *_notes(result)])
+    return "\n".join([*lines, *_table(rows), *_path_notes(result), *_notes(result)])
 
 
 def format_targets(targets: Sequence[Target]) -> str:

@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 from ..lab import Lab
 from .children import receiver_main, sender_main
 from .config import Knobs, Scenario
-from .methods import METHODS, Place
+from .methods import METHODS, CutMethod, Place
 
 
 class BenchError(RuntimeError):
@@ -27,6 +28,7 @@ class Network(Protocol):
 
     def place(self, host: int) -> Place: ...
     def source_sent(self) -> list[int]: ...  # bytes per source NIC; empty where unknown
+    def set_source_link(self, nic: int, up: bool) -> None: ...  # a lab only
 
 
 class Loopback:
@@ -36,18 +38,28 @@ class Loopback:
     def source_sent(self) -> list[int]:
         return []
 
+    def set_source_link(self, nic: int, up: bool) -> None:
+        raise BenchError("links can only be cut in a lab scenario")
+
 
 class LabNetwork:
-    """Host h of the lab; every process uses its first NIC (today's transports pick one)."""
+    """Host h of the lab. Methods use its first NIC; ZMQTransport serves on all (one path each)."""
 
     def __init__(self, lab: Lab) -> None:
         self.lab = lab
 
     def place(self, host: int) -> Place:
-        return Place(self.lab.namespace(host), self.lab.address(host, 0), self.lab.interface(0))
+        more = tuple(self.lab.address(host, nic) for nic in range(1, self.lab.nics))
+        return Place(self.lab.namespace(host), self.lab.address(host, 0), self.lab.interface(0), more)
 
     def source_sent(self) -> list[int]:
         return [tx for tx, _ in self.lab.counters(0).values()]
+
+    def set_source_link(self, nic: int, up: bool) -> None:
+        if up:
+            self.lab.link_up(0, nic)
+        else:
+            self.lab.link_down(0, nic)
 
 
 @contextlib.contextmanager
@@ -126,6 +138,9 @@ class Trial:
     in_place: list[int]
     source_sent: list[int]  # bytes per source NIC during the trial (lab only)
     recv_cpu: list[float] = field(default_factory=list)  # per receiver: CPU seconds of its cold receive
+    recv_paths: list[dict[str, int]] = field(default_factory=list)  # per receiver: ZMQTransport's bytes per path
+    duplicates: list[int] = field(default_factory=list)  # per receiver: data messages that came twice (dropped)
+    cut_s: float | None = None  # a CutMethod's trial: when the link went down, seconds after the receives began
 
 
 @dataclass
@@ -142,6 +157,9 @@ class MethodSummary:
     in_place_tensors: int
     source_sent: list[int]  # median bytes per source NIC (lab only)
     recv_cpu_s: float = 0.0  # median over trials of the busiest receiver's CPU seconds (all its threads)
+    recv_paths: dict[str, int] = field(default_factory=dict)  # median bytes per path address, all receivers
+    duplicates: int = 0  # most duplicate data messages in one trial, all receivers together
+    cut_s: float | None = None  # median time of the cut (CutMethod)
     ratios: dict[str, float] = field(default_factory=dict)
 
 
@@ -165,6 +183,7 @@ class _Run:
         self.trial_timeout = knobs.timeout_s + 60.0
         self.receives = 2 if scenario.warm else 1
         self.resettable = True
+        _check_cuts(scenario)
         self.sender = _spawn("bench-sender", sender_main, scenario, knobs, network.place(0))
         self.metadata: dict[str, str] = {}
 
@@ -187,7 +206,8 @@ class _Run:
                 child.reply(self.setup_timeout)
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
-            outcomes = _gather(receivers, timeout, "go", step, self.receives)
+            with self._cut_link(method) as cut:
+                outcomes = _gather(receivers, timeout, "go", step, self.receives)
             send_rss = self.sender.call(timeout, "finish", method)
             after = self.network.source_sent()
             _gather(receivers, 30.0, "exit")
@@ -207,12 +227,58 @@ class _Run:
             [o["in_place"] for o in cold],
             [b - a for a, b in zip(before, after, strict=True)],
             [o["cpu"] for o in cold],
+            [o["paths"] for o in cold],
+            [o["duplicates"] for o in cold],
+            cut.at_s,
         )
+
+    @contextlib.contextmanager
+    def _cut_link(self, method: str) -> Iterator[_Cut]:
+        """For a :class:`CutMethod`: take the source's link down during the receives, up again after."""
+        cut = _Cut()
+        chosen = METHODS[method]
+        if not isinstance(chosen, CutMethod):
+            yield cut
+            return
+        assert self.scenario.lab is not None  # _check_cuts
+        one_nic_s = self.scenario.total_bytes / (self.scenario.lab.rate_mbit * 1e6 / 8)
+        started = time.monotonic()
+
+        def down() -> None:
+            try:
+                self.network.set_source_link(chosen.nic, up=False)
+                cut.at_s = time.monotonic() - started
+            except Exception as exc:  # noqa: BLE001 - reported after the receives
+                cut.error = exc
+
+        timer = threading.Timer(chosen.after_fraction * one_nic_s, down)
+        timer.start()
+        try:
+            yield cut
+        finally:
+            timer.cancel()
+            timer.join()
+            self.network.set_source_link(chosen.nic, up=True)  # also when it never went down
+        if cut.error is not None:
+            raise BenchError(f"cutting the source's NIC {chosen.nic} failed: {cut.error}")
 
     def close(self) -> None:
         with contextlib.suppress(BenchError, OSError):
             self.sender.call(30.0, "exit")
         self.sender.stop()
+
+
+@dataclass
+class _Cut:
+    at_s: float | None = None
+    error: Exception | None = None
+
+
+def _check_cuts(scenario: Scenario) -> None:
+    for method in scenario.methods:
+        chosen = METHODS[method]
+        if isinstance(chosen, CutMethod) and (scenario.lab is None or chosen.nic >= scenario.lab.nics):
+            raise BenchError(f"{method} cuts the source's NIC {chosen.nic}: it needs a lab scenario with more NICs")
 
 
 def run_scenario(
@@ -263,6 +329,9 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             in_place_tensors=min(min(t.in_place) for t in mine),
             source_sent=[int(statistics.median(t.source_sent[nic] for t in mine)) for nic in range(nics)],
             recv_cpu_s=statistics.median(max(t.recv_cpu, default=0.0) for t in mine),
+            recv_paths=_median_paths(mine),
+            duplicates=max(sum(t.duplicates) for t in mine),
+            cut_s=_median_or_none([t.cut_s for t in mine]),
         )
     anchors = [m for m in summary if METHODS[m].anchor]
     for entry in summary.values():
@@ -270,3 +339,33 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             # > 1 means faster than the anchor (ratio of median slowest-receiver times).
             entry.ratios[anchor] = summary[anchor].slowest_s / entry.slowest_s
     return summary
+
+
+def _median_paths(trials: Sequence[Trial]) -> dict[str, int]:
+    """Per path address, the median over trials of the bytes all receivers landed from it.
+
+    By address, not endpoint: a relaying receiver is a new process with a new
+    port in every trial (the source's port stays).
+    """
+    totals: list[dict[str, int]] = []
+    for trial in trials:
+        total: dict[str, int] = {}
+        for paths in trial.recv_paths:
+            for endpoint, nbytes in paths.items():
+                host = path_host(endpoint)
+                total[host] = total.get(host, 0) + nbytes
+        totals.append(total)
+    hosts = sorted({host for total in totals for host in total})
+    return {host: int(statistics.median(total.get(host, 0) for total in totals)) for host in hosts}
+
+
+def path_host(endpoint: str) -> str:
+    """``tcp://HOST:PORT`` -> ``HOST`` (an address alone stays as it is)."""
+    hostport = endpoint.removeprefix("tcp://")
+    host, sep, port = hostport.rpartition(":")
+    return host if sep and port.isdigit() else hostport
+
+
+def _median_or_none(values: Sequence[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None

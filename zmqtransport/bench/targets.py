@@ -1,4 +1,4 @@
-"""The performance targets of issues 4 and 16, checked wherever a run measured what they need."""
+"""The performance targets of issues 4, 12 and 16, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
@@ -23,8 +23,34 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issues 4 and 16, wherever the run measured what they need."""
-    return _issue4_targets(results) + _issue16_targets(results)
+    """The performance targets of issues 4, 12 and 16, wherever the run measured what they need."""
+    return _issue4_targets(results) + _issue12_targets(results) + _issue16_targets(results)
+
+
+# Issue 12 (several paths and streams, in the lab): (method, NICs per host, most seconds / one stream's seconds).
+# One stream (zmq-inplace-1s) uses one connection on the first NIC: the one-NIC time of the same run.
+ONE_STREAM = "zmq-inplace-1s"
+_PATH_CHECKS = (
+    ("zmq-inplace", 2, 0.6, "both paths (default streams)"),
+    ("zmq-inplace-cut", 2, 1.3, "a path cut mid-transfer, bit-exact"),
+    ("zmq-inplace-4s", 1, 1.05, "streams=4 on one NIC"),
+)
+
+
+def _issue12_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Ratios of receive times to one stream's in the same lab scenario (lower is better)."""
+    targets: list[Target] = []
+    for result in results:
+        lab, one = result.scenario.lab, result.summary.get(ONE_STREAM)
+        if lab is None or one is None:
+            continue
+        for method, nics, limit, what in _PATH_CHECKS:
+            entry = result.summary.get(method)
+            if entry is None or lab.nics != nics:
+                continue
+            text = f"{method} seconds / {ONE_STREAM} (one NIC) seconds: {what}"
+            targets.append(Target(result.scenario.name, text, entry.slowest_s / one.slowest_s, limit, False, 12))
+    return targets
 
 
 # Issue 16 (cold-process speed): (method, anchor, minimum ratio of anchor seconds / method seconds).
