@@ -28,7 +28,8 @@ PHASES = ("unpack", "header", "validate", "plan", "land", "chunks", "runs", "bui
 def child(path: str) -> None:
     import gc
 
-    from zmqtransport import buffers, landing, receiver, wire
+    from zmqtransport import buffers, landing, wire
+    from zmqtransport import landed as landed_mod
 
     with open(path, "rb") as file:
         body = file.read()
@@ -43,13 +44,13 @@ def child(path: str) -> None:
     marks.append(time.perf_counter())
     plan = landing.plan_landing(parsed, None, landing.LandingOptions())
     marks.append(time.perf_counter())
-    landed = receiver.land(plan, 2)
+    landed = landed_mod.land(plan, 2)
     marks.append(time.perf_counter())
     chunks = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
     marks.append(time.perf_counter())
     runs = [landed.arena_run(pieces) for pieces in chunks]
     marks.append(time.perf_counter())
-    result = receiver._build(parsed, landed)
+    result = landed_mod.build(parsed, landed)
     marks.append(time.perf_counter())
     landed.close()
     del message, header, parsed, plan, landed, chunks, runs

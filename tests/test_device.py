@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -709,3 +710,43 @@ def test_ring_reserve_sizes_new_buffers() -> None:
     ring.release(small)
     assert ring.acquire("b", 100, reserve=100) is small  # reused as it is: no growth
     assert ring.allocations == 1
+
+
+@needs_cuda
+def test_cuda_striped_receive_lands_every_span_on_the_device(make_transport: Any) -> None:
+    # Spans arrive over three connections in any order: each message still
+    # goes through a bounce buffer to its place on the GPU.
+    sender = make_transport(chunk_bytes=1 << 20, checksum=True)
+    receiver = make_transport(device="cuda", streams=3)
+    state = _cuda_state(3)
+    sender.send_checkpoint([1], 3, state, TIMEOUT)
+    got = receiver.recv_checkpoint(0, sender.metadata(), 3, TIMEOUT)
+    _assert_same(got, state)
+    assert receiver.last_recv_stats.streams == 3
+    sender.disallow_checkpoint()
+
+
+@needs_cuda
+def test_cuda_receivers_do_not_relay_device_memory(make_transport: Any) -> None:
+    import threading
+
+    sender = make_transport(chunk_bytes=1 << 20)
+    receivers = [make_transport(device="cuda", progress=lambda done, total: time.sleep(0.002)) for _ in range(2)]
+    state = _cuda_state(4)
+    sender.send_checkpoint([1, 2], 4, state, TIMEOUT)
+    results: list[Any] = [None, None]
+
+    def run(i: int) -> None:
+        time.sleep(0.05 * i)
+        results[i] = receivers[i].recv_checkpoint(0, sender.metadata(), 4, TIMEOUT)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for got in results:
+        _assert_same(got, state)
+    # A receive into device memory serves nothing: the second got it all from the source.
+    assert list(receivers[1].last_recv_stats.paths) == [sender.metadata()]
+    sender.disallow_checkpoint()

@@ -517,3 +517,16 @@ def test_disallow_during_transfers_fails_them_cleanly() -> None:
         for receiver in receivers:
             receiver.shutdown()
         sender.shutdown()
+
+
+def test_exit_waits_for_shutdowns_started_without_waiting() -> None:
+    # shutdown(wait=False) tears the transport down on a thread; a process
+    # exiting meanwhile would abandon libzmq mid-teardown. The exit hook waits.
+    from zmqtransport import transport as transport_module
+
+    made: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=5), bind_host=LOOPBACK)
+    serving = made._server._thread
+    made.shutdown(wait=False)
+    transport_module._finish_pending_shutdowns()
+    assert not serving.is_alive()
+    assert not transport_module._PENDING_SHUTDOWNS

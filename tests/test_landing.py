@@ -13,8 +13,8 @@ import torch
 import zmq
 
 from zmqtransport import ProtocolError, buffers, landing, tree, wire
+from zmqtransport.landed import land, recv_exact
 from zmqtransport.landing import Fresh, FreshBounced, InArena, InPlace, InPlaceBounced, LandingOptions
-from zmqtransport.receiver import land, recv_exact
 
 MIB = 1024 * 1024
 PACK_BELOW = 64 * 1024

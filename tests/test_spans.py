@@ -153,3 +153,20 @@ def test_random_schedules_land_every_message_exactly_once(seed: int) -> None:
             b.lost(dead.pop())
     assert b.complete
     assert sorted(landed) == list(range(len(b.landed)))
+
+
+def test_interrupted_stream_hands_its_spans_on_and_works_again_once_back() -> None:
+    b = SpanBook(12, 2, 4, depth=1, standby=frozenset({1}))
+    b.connected(0, True)
+    b.connected(1, True)
+    first = b.assign(0, 1, 0.0)
+    assert first is not None and b.assign(1, 2, 0.0) is None  # the standby waits for the primary
+    b.on_data(1, 0, 0.1)
+    assert [s.xfer for s in b.interrupted(0)] == [1]
+    assert b.assign(0, 3, 0.2) is None  # not connected now
+    taken = b.assign(1, 4, 0.2)  # an interrupted primary no longer holds the standby back
+    assert taken is not None and (taken.first, taken.stop) == (1, 4)
+    b.connected(0, True)  # back
+    again = b.assign(0, 5, 0.3)
+    assert again is not None and (again.first, again.stop) == (4, 8)
+    assert b.live() == [0, 1]

@@ -29,12 +29,18 @@ TIMEOUT = timedelta(seconds=30)
 
 
 class Relay:
-    """Forwards TCP connections to ``target``; after ``after`` bytes towards the client, fails as told."""
+    """Forwards TCP connections to ``target``; after ``after`` bytes towards the client, fails as told.
+
+    ``how``: ``cut`` closes every connection and forwards no new one, ``freeze``
+    keeps them open but forwards nothing more, ``blip`` closes every connection
+    once and forwards new ones again.
+    """
 
     def __init__(self, target: tuple[str, int], after: int | None = None, how: str = "cut") -> None:
         self.target, self.after, self.how = target, after, how
         self.forwarded = 0
         self.failed = threading.Event()
+        self.blipped = threading.Event()
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._listener = socket.create_server((LOOPBACK, 0))
@@ -68,6 +74,13 @@ class Relay:
                     with self._lock:
                         self.forwarded += len(data)
                         due = self.after is not None and self.forwarded >= self.after
+                    if due and self.how == "blip":
+                        # Every connection drops at once, and new ones are
+                        # forwarded again: what a source's forced rebind does.
+                        self.after = None
+                        self.blipped.set()
+                        self.close_connections()
+                        return
                     if due and not self.failed.is_set():
                         self.failed.set()
                         if self.how == "cut":
@@ -260,3 +273,17 @@ def test_a_striped_receive_leaves_no_garbage_cycle(make_transport: Any, relays: 
         assert gc.collect() < 2000
     finally:
         gc.enable()
+
+
+def test_every_connection_dropping_at_once_and_coming_back_resumes(make_transport: Any, relays: Any) -> None:
+    # A source that closes and rebinds its ROUTER (to release frames a stuck
+    # receiver holds) drops every connection at once; the DEALERs reconnect
+    # within milliseconds and the receive goes on.
+    sender = make_transport(checksum=True)
+    relay = relays((LOOPBACK, port_of(sender)), after=8 << 20, how="blip")
+    receiver = make_transport(streams=2)
+    want = state(32, seed=3)
+    sender.send_checkpoint([1], 1, want, TIMEOUT)
+    got = receiver.recv_checkpoint(0, f"tcp://{LOOPBACK}:{relay.port}", 1, TIMEOUT)
+    assert relay.blipped.is_set()
+    assert same(got, want)

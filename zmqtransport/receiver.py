@@ -1,14 +1,16 @@
-"""The receiving side: fetch one step from a peer over a DEALER socket.
+"""The receiving side: fetch one step from a peer over DEALER sockets.
 
-Threading: :func:`fetch` runs entirely in the calling thread and owns the DEALER
-it creates; the socket is closed before it returns or raises. Several threads
-may fetch at once (each has its own socket).
+Threading: :func:`fetch` runs entirely in the calling thread and owns the
+DEALERs it creates; they are closed before it returns or raises. Several
+threads may fetch at once (each has its own sockets).
 
 Order of work: request, header, validation and allocation (so a hostile or
-buggy peer is refused before any large allocation), then data messages copied
-straight into their destination storage while credit is returned in batches,
-then the end marker. Only then is the object built: nothing partial is ever
-returned.
+buggy peer is refused before any large allocation; :mod:`.landing` decides,
+:mod:`.landed` allocates), then data messages copied straight into their
+destination storage, over one connection while credit is returned in
+batches, or in spans over several (:mod:`.striped`), relaying what lands when
+the source asks (:mod:`.relaying`), then the end marker. Only then is the
+object built: nothing partial is ever returned.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import random
 import time
 import zlib
@@ -27,13 +28,12 @@ from typing import Any
 import torch
 import zmq
 
-from . import buffers, landing, liveness, paths, relaying, striped, wire
-from .codec import dtensor
-from .codec.paths import format_path
-from .codec.skeleton import build_tree
-from .device import CPU, DeviceStaging, RecvUnstager, fresh_storage, tensor_bytes
-from .errors import ConnectionLostError, IntegrityError, ProtocolError, RemoteError, StalledError
-from .net import PeerAddress, parse_metadata
+from . import buffers, landing, liveness, relaying, striped, wire
+from .connections import Connections
+from .device import CPU, DeviceStaging, RecvUnstager
+from .errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
+from .landed import Landed, build, integrity_error, land, recv_exact
+from .net import PeerAddress
 from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -71,152 +71,6 @@ class FetchOptions:
         return self.streams > 1
 
 
-# ----------------------------------------------------------------------------- executing a landing plan
-
-
-class Destination:
-    """One storage's landing memory, allocated as its :data:`landing.Placement` says.
-
-    ``view`` is the host memory its bytes are received into (empty when they go
-    through bounce buffers into ``device_bytes``); ``fresh`` is the storage's
-    freshly allocated memory (None in place). A plain class whose derived
-    attributes are set once: a receive makes one per storage and reads them
-    per storage and per packed piece (properties over the placement cost
-    20 ms for 20,480 storages).
-    """
-
-    __slots__ = ("arena_offset", "device_bytes", "exact", "fresh", "in_place", "placement", "view")
-
-    placement: landing.Placement
-    view: memoryview
-    device_bytes: torch.Tensor | None  # flat uint8 device memory filled through bounce buffers
-    fresh: torch.Tensor | None
-    in_place: Any  # the caller's tensor (or DTensor) receiving the bytes, or None
-    exact: bool  # ``fresh`` was allocated as the storage's only tensor, handed out as it is
-    arena_offset: int  # where ``fresh`` lies in the arena, or -1
-
-    def __init__(
-        self,
-        placement: landing.Placement,
-        view: memoryview,
-        device_bytes: torch.Tensor | None = None,
-        fresh: torch.Tensor | None = None,
-    ) -> None:
-        self.placement = placement
-        self.view = view
-        self.device_bytes = device_bytes
-        self.fresh = fresh
-        if type(placement) is landing.InArena:  # most storages of a many-tensor receive: first
-            self.in_place = None
-            self.exact = placement.exact is not None
-            self.arena_offset = placement.offset
-            return
-        self.in_place = placement.target if isinstance(placement, _IN_PLACE) else None
-        self.exact = isinstance(placement, landing.Fresh) and placement.exact is not None
-        self.arena_offset = -1
-
-
-_IN_PLACE = (landing.InPlace, landing.InPlaceBounced)
-
-
-@dataclass
-class Landed:
-    """A landing plan carried out: the memory of every storage, the arena, the prefaulter."""
-
-    plan: landing.LandingPlan
-    destinations: list[Destination]
-    arena: buffers.Arena | None
-    prefaulter: buffers.Prefaulter | None
-
-    def arena_run(self, pieces: list[wire.Piece]) -> memoryview | None:
-        """The arena bytes a packed message fills, when its storages lie there back to back."""
-        if self.arena is None:
-            return None
-        start = at = self.destinations[pieces[0].storage].arena_offset
-        if start < 0:
-            return None
-        for piece in pieces:
-            if self.destinations[piece.storage].arena_offset != at or piece.start:
-                return None
-            at += piece.length
-        return self.arena.view[start:at]
-
-    def close(self) -> None:
-        if self.prefaulter is not None:
-            self.prefaulter.close()  # before the fresh memory can be freed
-
-
-def land(plan: landing.LandingPlan, prefault_threads: int) -> Landed:
-    """Allocate what ``plan`` says and start faulting fresh memory in ahead of the data."""
-    arena = buffers.Arena(plan.arena.sizes, plan.arena.offsets) if plan.arena is not None else None
-    in_arena = landing.InArena
-    # Arena storages first in the test: most storages of a many-tensor receive.
-    destinations = [
-        _carve(p, arena) if type(p) is in_arena else _allocate(p, arena)  # type: ignore[arg-type]
-        for p in plan.placements
-    ]
-    regions = []  # (stream offset, pointer, bytes)
-    for region in plan.prefault:
-        if region.arena:
-            assert arena is not None
-            regions.append((region.stream_offset, arena.pointer, region.nbytes))
-        else:
-            fresh = destinations[region.storage].fresh
-            assert fresh is not None
-            regions.append((region.stream_offset, fresh.data_ptr(), region.nbytes))
-    # Started once everything is carved: started before, its workers slowed
-    # the carving of 20,480 arena tensors on a loaded machine (load average
-    # 7: 60-75 ms became 90-95 ms), with no gain shown on a quiet one.
-    prefaulter = buffers.Prefaulter.start(regions, prefault_threads)
-    return Landed(plan, destinations, arena, prefaulter)
-
-
-def _carve(placement: landing.InArena, arena: buffers.Arena) -> Destination:
-    at, nbytes, exact = placement
-    if exact is not None:
-        view, fresh = arena.carve(at, nbytes, exact.dtype, exact.shape)
-    else:
-        view, fresh = arena.carve(at, nbytes, torch.uint8)
-    return Destination(placement, view, None, fresh)
-
-
-def _allocate(placement: landing.Placement, arena: buffers.Arena | None) -> Destination:
-    if isinstance(placement, landing.InArena):
-        assert arena is not None
-        return _carve(placement, arena)
-    empty = memoryview(b"")
-    match placement:
-        case landing.InPlace(local=local):
-            return Destination(placement, buffers.tensor_view(local))
-        case landing.InPlaceBounced(local=local):
-            return Destination(placement, empty, device_bytes=tensor_bytes(local))
-        case landing.FreshBounced(nbytes=nbytes, device=device):
-            fresh = fresh_storage(nbytes, device)
-            return Destination(placement, empty, device_bytes=fresh, fresh=fresh)
-        case landing.Fresh(nbytes=nbytes, exact=exact, huge_pages=huge_pages):
-            if exact is not None:
-                # The storage's only tensor, allocated as itself: building it
-                # later through set_() cost ~10 us per tensor, 0.2 s for 20,480.
-                fresh = torch.empty(exact.shape, dtype=exact.dtype)
-            else:
-                fresh = buffers.allocate(nbytes, huge_pages)
-            return Destination(placement, buffers.tensor_view(fresh), fresh=fresh)
-    raise AssertionError(f"unknown placement {placement!r}")
-
-
-def recv_exact(socket: zmq.Socket[Any], into: memoryview | None, what: str, expected: int) -> memoryview:
-    """Receive the next frame into ``into`` (None: as a zero-copy frame); it must hold ``expected`` bytes."""
-    if into is None:
-        payload = socket.recv(copy=False).buffer
-        received = len(payload)
-    else:
-        payload = into
-        received = socket.recv_into(into)
-    if received != expected:
-        raise ProtocolError(f"{what} has {received} bytes, expected {expected}")
-    return payload
-
-
 class _Receiver:
     """One receive's DEALER socket and its phases: request, header, data messages, end marker."""
 
@@ -230,8 +84,6 @@ class _Receiver:
         options: FetchOptions,
     ) -> None:
         self.address = address
-        self.endpoint = address.endpoint  # the path in use (the first until several are tried)
-        self.context = context
         self.src_rank = src_rank  # None: the caller has no rank for the peer (fetch_header)
         self.step = step
         self.timeout = timeout
@@ -243,28 +95,18 @@ class _Receiver:
         self.stage: int | None = None  # the staging's id, from a sender that serves span fetches
         self.relay_order: wire.RelayOrder | None = None  # what the source said about relaying
         self.duty: relaying.RelayDuty | None = None  # serving what lands to the downstream
-        self.spare: list[paths.Candidate] = []  # further paths' DEALERs kept for a striped receive
-        self.extra: list[paths.Candidate] = []  # further connections opened for a striped receive
-        self.path = address.paths[0]  # the path of self.socket
         self.bounce_bytes = 0  # size of each pinned bounce buffer (device receives only)
         self._chunks: tuple[wire.Header, list[list[wire.Piece]]] | None = None
-        # Closed again if configuring it fails (a bad key, say): a socket left
-        # open would make the transport's shutdown wait forever in Context.term().
-        # The watch is set up before connecting, so it sees the handshake.
-        racing = bool(address.more_paths)
-        first = paths.open_candidate(context, address.paths[0], self._configure, options.stall_timeout, racing)
-        self.socket, self.source = first.socket, first.watch
+        self.conns = Connections(context, address, options.stall_timeout, options.configure, options.configure_for)
 
-    def _configure(self, sock: zmq.Socket[Any], peer_options: bool = True) -> None:
-        sock.setsockopt(zmq.IPV6, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
-        # An explicit routing id survives a reconnect, so a sender that had to
-        # rebuild its ROUTER (forced release of a stalled receiver) can still
-        # answer a request it parked before. Ids must not start with a zero byte.
-        sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
-        liveness.configure_heartbeats(sock, self.options.stall_timeout)
-        if peer_options and self.options.configure is not None:
-            self.options.configure(sock)  # the source's (CurveZMQ server key)
+    @property
+    def socket(self) -> zmq.Socket[Any]:
+        """The connection the request and header go over (and the data, over one connection)."""
+        return self.conns.socket
+
+    @property
+    def source(self) -> liveness.SourceWatch:
+        return self.conns.watch
 
     # ----------------------------------------------------------------- socket helpers
 
@@ -333,32 +175,22 @@ class _Receiver:
 
     # ----------------------------------------------------------------- phases
 
-    def _connect(self, keep: bool) -> None:
-        """Connect to the only path, or to the most preferred of several that connects (:mod:`zmqtransport.paths`).
+    @property
+    def endpoint(self) -> str:
+        """The path in use (the first until several are tried)."""
+        return self.conns.path.endpoint
 
-        ``keep``: a striped receive keeps the other paths' DEALERs in :attr:`spare`.
-        """
-        if not self.address.more_paths:
-            self.socket.connect(self.endpoint)
-            return
-        candidates = [paths.Candidate(self.address.paths[0], self.socket, self.source)]
-        try:
-            for path in self.address.more_paths:
-                candidates.append(paths.open_candidate(self.context, path, self._configure, self.options.stall_timeout))
-        except BaseException:
-            for candidate in candidates[1:]:
-                candidate.close()
-            raise
-        winner, self.spare, tried = paths.connect_first(candidates, self.deadline, keep=keep)
-        if winner is None:
+    def _connect(self, keep: bool) -> None:
+        """Connect to the only path, or to the most preferred of several that connects (:mod:`.connections`)."""
+        tried = self.conns.connect(self.deadline, keep)
+        if tried is not None:
             raise TimeoutError(
                 f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for a connection to "
                 f"{self._peer(at=False)} (step {self.step}); paths tried: {tried}"
             )
-        self.socket, self.source, self.endpoint = winner.socket, winner.watch, winner.path.endpoint
-        self.path = winner.path
         self.stats.peer = self.endpoint
-        logger.debug("%s: using path %s of %s", self._peer(at=False), self.endpoint, tried)
+        if self.address.more_paths:
+            logger.debug("%s: using path %s", self._peer(at=False), self.endpoint)
 
     def request(self, header_only: bool = False, keep_paths: bool = False) -> None:
         self._connect(keep_paths)
@@ -450,7 +282,7 @@ class _Receiver:
             raise ProtocolError(f"data message {seq} carries unexpected extra frames")
         assert self.parsed is not None  # data only follows a validated header
         if self.parsed.header.checksum is not None and envelope.get("crc") != zlib.crc32(payload):
-            raise _integrity_error(self.parsed, seq, pieces, self.endpoint, self.step)
+            raise integrity_error(self.parsed, seq, pieces, self.endpoint, self.step)
         if unstager is not None and bounced:
             unstager.deliver(pieces)
         return payload
@@ -500,9 +332,7 @@ class _Receiver:
 
     def fall_back_to_one_stream(self) -> None:
         """The source serves no span fetches: drop the other paths, fetch everything on this connection."""
-        for candidate in self.spare:
-            candidate.close()
-        self.spare = []
+        self.conns.drop_spare()
         self.xfer = random.getrandbits(63)
         self.send_request(relay=False)  # it relays nothing either
 
@@ -516,7 +346,7 @@ class _Receiver:
             self.step, self.stage, self.options.allow_pickle, self.deadline, self.options.stall_timeout
         )
         duty = self._attach_duty(landed, unstager)
-        streams = self._open_streams()
+        streams = self.conns.streams(self.options.streams, self.relay_order)
         run = striped.StripedReceive(
             streams,
             chunks,
@@ -548,57 +378,6 @@ class _Receiver:
                 endpoint = stream.path.endpoint
                 self.stats.paths[endpoint] = self.stats.paths.get(endpoint, 0) + stream.bytes
 
-    def _open_streams(self) -> list[striped.Stream]:
-        """This receive's connections: the header's, the other paths' kept ones, and more up to ``streams``."""
-        candidates = [paths.Candidate(self.path, self.socket, self.source), *self.spare]
-        count = self.options.streams if self.options.streams is not None else len(candidates)
-        for candidate in candidates[count:]:
-            candidate.close()
-        candidates = candidates[:count]
-        now = time.monotonic()
-        for candidate in candidates:
-            candidate.watch.read_events(now)
-        # More connections than paths: spread over the paths that are up, most preferred first.
-        targets = [c.path for c in candidates if c.watch.state.established] or [self.path]
-        for extra in range(count - len(candidates)):
-            path = targets[extra % len(targets)]
-            candidate = paths.open_candidate(self.context, path, self._configure, self.options.stall_timeout, False)
-            self.extra.append(candidate)
-            candidate.socket.connect(path.endpoint)
-            candidates.append(candidate)
-        self.spare = candidates[1:]
-        streams = [striped.Stream(c.path, c.socket, c.watch) for c in candidates]
-        order = self.relay_order
-        if order is not None and order.upstream is not None:
-            # Fetch from the relay the source named; the source's connections stand by.
-            for stream in streams:
-                stream.standby = True
-            streams[:0] = self._open_relay_streams(order)
-        return streams
-
-    def _open_relay_streams(self, order: wire.RelayOrder) -> list[striped.Stream]:
-        """One connection per path of the upstream relay, showing the token the source gave for it."""
-        assert order.upstream is not None
-        try:
-            upstream = parse_metadata(order.upstream)
-        except ValueError as exc:
-            raise ProtocolError(f"the source named a relay with malformed metadata: {exc}") from None
-        configure_for = self.options.configure_for
-        extra_options = configure_for(upstream) if configure_for is not None else None
-
-        def configure(sock: zmq.Socket[Any]) -> None:
-            self._configure(sock, peer_options=False)
-            if extra_options is not None:
-                extra_options(sock)
-
-        streams = []
-        for path in upstream.paths:
-            candidate = paths.open_candidate(self.context, path, configure, self.options.stall_timeout, False)
-            self.extra.append(candidate)
-            candidate.socket.connect(path.endpoint)
-            streams.append(striped.Stream(path, candidate.socket, candidate.watch, token=order.upstream_token))
-        return streams
-
     def cancel(self) -> None:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
@@ -626,73 +405,7 @@ class _Receiver:
     def close(self) -> None:
         if self.duty is not None:
             self.duty.stop()  # before anything is handed to the caller, whatever happened
-        for candidate in (*self.spare, *self.extra):
-            candidate.close()
-        self.source.close()
-        self.socket.close(linger=0)
-
-
-def _integrity_error(
-    parsed: landing.ParsedHeader, seq: int, pieces: list[wire.Piece], endpoint: str, step: int
-) -> IntegrityError:
-    """Name the storages and the tensors (key paths) a corrupted data message carried."""
-    hit = sorted({piece.storage for piece in pieces})
-    names = [
-        format_path(parsed.paths[index])
-        for index, spec in enumerate(parsed.specs)
-        if spec.storage in hit and index in parsed.paths
-    ]
-    more = " ..." if len(names) > 8 else ""
-    return IntegrityError(
-        f"checksum mismatch in data message {seq} from {endpoint} "
-        f"(step {step}): storages {hit}, tensors {', '.join(names[:8]) or 'none'}{more}"
-    )
-
-
-def _build(parsed: landing.ParsedHeader, landed: Landed) -> Any:
-    """The received object: the skeleton with each tensor leaf where its storage landed."""
-    specs = parsed.specs
-    destinations = landed.destinations
-
-    def plain(index: int) -> torch.Tensor:
-        spec = specs[index]
-        destination = destinations[spec.storage]
-        placement = destination.placement
-        if isinstance(placement, landing.InPlace | landing.InPlaceBounced):
-            return placement.local
-        assert destination.fresh is not None
-        if destination.exact:
-            tensor = destination.fresh
-        else:
-            tensor = torch.empty(0, dtype=spec.dtype, device=destination.fresh.device).set_(
-                destination.fresh.untyped_storage(), spec.offset, spec.shape, spec.stride
-            )
-        if spec.is_param:
-            return torch.nn.Parameter(tensor, requires_grad=spec.requires_grad)
-        if spec.requires_grad:
-            tensor.requires_grad_(True)
-        return tensor
-
-    def leaf(index: int) -> Any:
-        # (index_skeleton let each index appear once, so nothing is built twice.)
-        spec = specs[index]
-        destination = destinations[spec.storage]
-        if destination.exact and not spec.requires_grad and not spec.is_param:
-            return destination.fresh  # most leaves of a fresh receive: allocated as themselves
-        target = destination.in_place
-        # In place: hand back the caller's own tensor object, not a new view
-        # (a DTensor target is rebuilt around its shard by make_dtensor).
-        if target is not None and destination.placement.local is target:  # type: ignore[union-attr]
-            return target
-        return plain(index)
-
-    def make_dtensor(index: int, spec_obj: Any, requires_grad: bool) -> Any:
-        # The caller's DTensor at this path, even when its bytes were not a
-        # match: its live mesh is still worth reusing when the specs agree.
-        like = landed.plan.target_leaves.get(parsed.paths[index])
-        return dtensor.make_dtensor(plain(index), spec_obj, requires_grad, like=like)
-
-    return build_tree(parsed.header.skeleton, leaf, make_dtensor)
+        self.conns.close()
 
 
 def fetch(
@@ -780,7 +493,7 @@ def _fetch(
                 # Every copy to the device has landed (or, on error, stopped)
                 # before this returns or raises.
                 unstager.close()
-        result = _build(parsed, landed)
+        result = build(parsed, landed)
     except BaseException:
         receiver.cancel()
         raise

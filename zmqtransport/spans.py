@@ -64,6 +64,7 @@ class Span:
 class _Stream:
     standby: bool = False  # only takes over, or works when no primary stream is left
     up: bool = False  # connected (work is only handed to streams that are)
+    interrupted: bool = False  # was connected, connection dropped, may come back
     lost: bool = False
     last_data: float | None = None
     gaps: float = 0.0  # sum of the gaps between its messages
@@ -112,14 +113,19 @@ class SpanBook:
     # ------------------------------------------------------------------ events
 
     def connected(self, stream: int, up: bool) -> None:
-        self._streams[stream].up = up
+        state = self._streams[stream]
+        state.up = up
+        if up:
+            state.interrupted = False
 
     def assign(self, stream: int, xfer: int, now: float) -> Span | None:
         """The next span for ``stream`` to ask for under ``xfer``, or None (it is full, down, or nothing is due)."""
         state = self._streams[stream]
         if state.lost or not state.up or len(self.outstanding(stream)) >= self.depth:
             return None
-        standing_by = state.standby and any(not s.lost and not s.standby for s in self._streams)
+        standing_by = state.standby and any(
+            not s.lost and not s.interrupted and not s.standby for s in self._streams
+        )
         while self.queue and not standing_by:
             first, stop = self.queue.popleft()
             first = self._first_missing(first, stop)
@@ -170,6 +176,17 @@ class SpanBook:
     def lost(self, stream: int) -> list[Span]:
         """``stream`` is gone: its unfinished spans go back to the queue. Returns them (forgotten here)."""
         self._streams[stream].lost = True
+        return self.interrupted(stream)
+
+    def interrupted(self, stream: int) -> list[Span]:
+        """``stream``'s connection dropped and may come back: its spans go back to the queue (returned, forgotten).
+
+        Until it is :meth:`connected` again it gets no work, and a standby
+        stream no longer waits for it.
+        """
+        state = self._streams[stream]
+        state.up = False
+        state.interrupted = True
         gone = self.outstanding(stream)
         for span in gone:
             del self.spans[span.xfer]

@@ -50,6 +50,7 @@ class Stream:
     socket: zmq.Socket[Any]
     watch: liveness.SourceWatch
     token: bytes | None = None  # a relay's: shown in every span fetch (docs/protocol.md, "Relays")
+    interrupted: bool = False  # its connection dropped; given RECONNECT_GRACE to come back
     standby: bool = False  # the source while a relay serves: used when the relay cannot be
     bytes: int = 0  # landed from this stream
     messages: int = 0
@@ -146,8 +147,16 @@ class StripedReceive:
             lost_for = state.lost_for(now)
             if lost_for is not None and lost_for >= liveness.SETTLE_AFTER_LOSS:
                 self._drain(index, stream)  # what arrived before the connection closed still counts
-                self._drop(index, stream, "connection lost")
+                if lost_for >= liveness.RECONNECT_GRACE:
+                    self._drop(index, stream, "connection lost")
+                elif not stream.interrupted:
+                    # The DEALER reconnects by itself (a source that rebuilt its
+                    # ROUTER answers again within milliseconds): its spans go to
+                    # the others now, and it gets work again once it is back.
+                    stream.interrupted = True
+                    self._cancel(self.book.interrupted(index))
                 continue
+            stream.interrupted = False
             if not state.established and now - self.started >= paths.CONNECT_BOUND:
                 self._drop(index, stream, "did not connect")
                 continue

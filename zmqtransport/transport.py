@@ -13,8 +13,10 @@ Threading contract:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -33,6 +35,23 @@ from .serve.staged import stage
 from .stats import TransferStats
 
 T = TypeVar("T")
+
+# Shutdowns started with wait=False that have not finished. A process that
+# exits while one is still tearing down libzmq's sockets and threads can die
+# in C++ (std::terminate, exit status -6) after its work succeeded; the exit
+# waits for them instead, within a bound (each shutdown is bounded too).
+_PENDING_SHUTDOWNS: set[threading.Thread] = set()
+_PENDING_LOCK = threading.Lock()
+EXIT_WAIT = 15.0  # seconds, for all of them together
+
+
+@atexit.register
+def _finish_pending_shutdowns() -> None:
+    deadline = time.monotonic() + EXIT_WAIT
+    with _PENDING_LOCK:
+        pending = list(_PENDING_SHUTDOWNS)
+    for thread in pending:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +351,10 @@ class ZMQTransport(CheckpointTransport[T]):
         if wait:
             self._close()
         else:
-            threading.Thread(target=self._close, name="zmqtransport-shutdown", daemon=True).start()
+            thread = threading.Thread(target=self._close, name="zmqtransport-shutdown", daemon=True)
+            with _PENDING_LOCK:
+                _PENDING_SHUTDOWNS.add(thread)
+            thread.start()
 
     # ------------------------------------------------------------------ extras
 
@@ -395,6 +417,13 @@ class ZMQTransport(CheckpointTransport[T]):
         return self._address
 
     def _close(self) -> None:
+        try:
+            self._close_all()
+        finally:
+            with _PENDING_LOCK:
+                _PENDING_SHUTDOWNS.discard(threading.current_thread())
+
+    def _close_all(self) -> None:
         """Every wait bounded: a bound that is hit is logged (naming what was left open), never hung on."""
         self._server.stop(wait=True)
         if self._zap is not None:

@@ -177,7 +177,7 @@ def _path_notes(result: ScenarioResult) -> list[str]:
             when = "never (the receive ended first)" if entry.cut_s is None else f"{entry.cut_s:.2f} s into the receive"
             notes.append(
                 f"{entry.method}: the source's NIC {chosen.nic} went down {when} (median; planned at "
-                f"{chosen.after_fraction:g} x the one-NIC ideal), up again after it; content verified"
+                f"{chosen.after_fraction:g} x the one-NIC ideal), up again after it; stamps checked"
             )
     return notes
 

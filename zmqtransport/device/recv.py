@@ -15,7 +15,7 @@ from .staging import DeviceStaging, RecvKit
 
 
 class Landing(Protocol):
-    """What the unstager needs of a receive destination (``receiver.Destination``)."""
+    """What the unstager needs of a receive destination (``landed.Destination``)."""
 
     view: memoryview  # host destination: written directly
     device_bytes: torch.Tensor | None  # staged destination: flat uint8 on its device
