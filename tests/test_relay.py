@@ -163,7 +163,7 @@ def test_relay_memory_is_the_callers_once_its_receive_returns(make_transport: An
     mine = state(seed=7)
     sender = make_transport(checksum=True)
     relay = make_transport(state_dict=lambda: mine, progress=slow(0.002))
-    downstream = make_transport(progress=slow(0.03))
+    downstream = make_transport(progress=slow(0.08))  # outlasts the relay's tail (RELAY_TAIL, 1 s)
     want = state(seed=8)
     sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
     results: list[Any] = [None, None]

@@ -770,3 +770,13 @@ def test_relay_order_round_trips() -> None:
     envelope = msgpack.unpackb(wire.header_envelope(3, 4, order))
     assert wire.decode_relay_order(envelope["relay"]) == order
     assert "relay" not in msgpack.unpackb(wire.header_envelope(3, 4))
+
+
+def test_relayed_downstream_peers_are_tracked_until_their_connection_closes(net: Net) -> None:
+    relay = relayed()
+    net.scheduler.relay(relay)
+    assert not relay.served and not relay.peers
+    net.request(b"down", fetch(xfer=1, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token))
+    assert relay.served and relay.peers == {b"down"}
+    net.scheduler.disconnected(b"down")  # its receive ended: the relay's tail may end
+    assert relay.peers == set()

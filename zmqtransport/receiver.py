@@ -258,6 +258,7 @@ class _Receiver:
                 progress(done, header.total_bytes)
         self.receive_end()
         if duty is not None:
+            self.conns.close()  # done with the source; the tail is served by this side's own server
             duty.finish()
 
     def land_message(
@@ -365,6 +366,7 @@ class _Receiver:
         try:
             run.run(on_landed)
             if duty is not None:
+                self.conns.close()  # done with every source: an upstream relay's tail ends now
                 duty.finish()
         finally:
             self._record(streams, run)

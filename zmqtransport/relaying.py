@@ -34,11 +34,11 @@ from .serve.relays import Relayed
 logger = logging.getLogger(__name__)
 
 # After its own data is complete, a relay keeps serving its downstream at most
-# this long (seconds), and stops sooner once the downstream has asked for and
-# been sent nothing for RELAY_IDLE: on equal links a downstream is a few
+# this long (seconds), and stops as soon as every downstream connection that
+# asked has closed (its receive ended): on equal links a downstream is a few
 # messages behind, so the tail is a few message times.
 RELAY_TAIL = 1.0
-RELAY_IDLE = 0.05
+RELAY_POLL = 0.005  # seconds between looks at whether the downstream has gone
 # How long the receive waits for the serving thread to stop reading the relayed memory.
 STOP_BOUND = 5.0
 
@@ -91,11 +91,14 @@ class RelayDuty:
     def finish(self) -> None:
         """Own data complete: serve a bounded tail while the downstream still asks, then stop."""
         deadline = time.monotonic() + RELAY_TAIL
-        while self.relayed.served:  # nobody asked: nothing to wait for
-            now = time.monotonic()
-            if now >= deadline or now - self.relayed.touched >= RELAY_IDLE:
-                break
-            time.sleep(RELAY_IDLE / 5)
+        relayed = self.relayed
+        # Until every downstream that asked has gone: its receive ended and
+        # closed its connection here (a receive closes its connections as soon
+        # as its own data is complete, before its own tail, so a chain does not
+        # wait for its last member). Idleness would end the tail too early
+        # where a link's queue holds a span's worth of data still draining.
+        while relayed.served and relayed.peers and time.monotonic() < deadline:
+            time.sleep(RELAY_POLL)
         self.stop()
 
     def stop(self) -> None:

@@ -88,6 +88,9 @@ class Relayed:
     # relay; the receiving thread reads it to know when its downstream is done.
     touched: float = field(default_factory=time.monotonic)
     served: bool = False  # a downstream has asked (until then nothing needs waking)
+    # Downstream connections (routing ids) that asked and are still connected:
+    # the relay's tail lasts while any is (set by the serving thread).
+    peers: set[bytes] = field(default_factory=set)
     sent_bytes: int = 0
     device_plan: None = None  # a relay serves host memory only
     # Held while a message is copied; stop() takes it, so once stop() returns

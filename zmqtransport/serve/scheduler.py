@@ -239,6 +239,8 @@ class Scheduler:
         for transfer in gone:
             del self.transfers[transfer.key]
         self.chain.left(peer)
+        for relayed in self.relays.values():
+            relayed.peers.discard(peer)  # that downstream's receive has ended
         return gone
 
     def rebound(self, now: float) -> None:
@@ -370,6 +372,7 @@ class Scheduler:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
         relayed.touched = now
         relayed.served = True
+        relayed.peers.add(peer)
         return self._start_span(peer, request, address, now, relayed)
 
     def _start_span(
