@@ -18,11 +18,19 @@ import pytest
 import torch
 
 from zmqtransport import ZMQTransport
+from zmqtransport.serve import scheduler
 
 from .conftest import TIMEOUT
 
 LOOPBACK = "127.0.0.1"
 MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def relay_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Sources chain only receivers on other hosts by default (RELAY_LOOPBACK);
+    # every receiver here is on loopback.
+    monkeypatch.setattr(scheduler, "RELAY_LOOPBACK", True)
 
 
 def state(megabytes: int = 24, seed: int = 1) -> dict[str, Any]:
@@ -208,3 +216,26 @@ def test_relays_under_curve(make_transport: Any) -> None:
 def test_relay_option_is_checked() -> None:
     with pytest.raises(ValueError, match="relay="):
         ZMQTransport(timedelta(seconds=1), bind_host=LOOPBACK, relay=1)  # type: ignore[arg-type]
+
+
+def test_receivers_on_the_sources_host_are_not_chained_by_default(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(scheduler, "RELAY_LOOPBACK", False)
+    sender = make_transport()
+    receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]
+    want = state()
+    sender.send_checkpoint([1, 2, 3], 1, want, TIMEOUT)
+    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.02)
+    assert all(same(got, want) for got in results)
+    assert uploaded(sender) == 3 * nbytes(want)
+    assert not sender._server._scheduler.chain.members
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("::ffff:127.0.0.1", True),
+     ("10.0.0.7", False), ("::ffff:10.0.0.7", False), ("fd00::1", False), ("unknown peer", False)],
+)
+def test_loopback_peer_addresses(address: str, loopback: bool) -> None:
+    assert scheduler.is_loopback(address) is loopback
