@@ -60,7 +60,11 @@ class Connections:
     def path(self) -> Path:
         return self.first.path
 
-    def configure(self, sock: zmq.Socket[Any], peer_options: Configure | bool | None = True) -> None:
+    def configure(self, sock: zmq.Socket[Any]) -> None:
+        """Options of a DEALER to the source (its CurveZMQ key, if any)."""
+        self.configure_for_peer(sock, self.peer_options)
+
+    def configure_for_peer(self, sock: zmq.Socket[Any], peer_options: Configure | None) -> None:
         """Options of every DEALER of a receive; ``peer_options`` those of the peer it connects to."""
         sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
@@ -69,9 +73,8 @@ class Connections:
         # answer a request it parked before. Ids must not start with a zero byte.
         sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
         liveness.configure_heartbeats(sock, self.stall_timeout)
-        extra = self.peer_options if peer_options is True else peer_options
-        if callable(extra):
-            extra(sock)
+        if peer_options is not None:
+            peer_options(sock)
 
     def connect(self, deadline: float, keep: bool) -> str | None:
         """Connect to the only path, or to the most preferred of several that connects.
@@ -135,7 +138,7 @@ class Connections:
         relay_options = self.options_for(upstream) if self.options_for is not None else None
 
         def configure(sock: zmq.Socket[Any]) -> None:
-            self.configure(sock, relay_options)
+            self.configure_for_peer(sock, relay_options)
 
         streams = []
         for path in upstream.paths:
