@@ -153,6 +153,19 @@ def _allocate(placement: landing.Placement, arena: buffers.Arena | None) -> Dest
     raise AssertionError(f"unknown placement {placement!r}")
 
 
+def discard_rest(socket: zmq.Socket[Any]) -> None:
+    """Receive and drop the remaining frames of the current message."""
+    while socket.getsockopt(zmq.RCVMORE):
+        socket.recv(copy=False)
+
+
+def expect_no_more(socket: zmq.Socket[Any], what: str) -> None:
+    """The current message must have ended; else drop its extra frames and raise ``ProtocolError``."""
+    if socket.getsockopt(zmq.RCVMORE):
+        discard_rest(socket)
+        raise ProtocolError(f"{what} carries unexpected extra frames")
+
+
 def recv_exact(socket: zmq.Socket[Any], into: memoryview | None, what: str, expected: int) -> memoryview:
     """Receive the next frame into ``into`` (None: as a zero-copy frame); it must hold ``expected`` bytes."""
     if into is None:

@@ -32,7 +32,7 @@ from . import buffers, landing, liveness, relaying, striped, wire
 from .connections import Connections
 from .device import CPU, DeviceStaging, RecvUnstager
 from .errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
-from .landed import Landed, build, integrity_error, land, recv_exact
+from .landed import Landed, build, discard_rest, expect_no_more, integrity_error, land, recv_exact
 from .net import PeerAddress
 from .stats import TransferStats
 
@@ -149,7 +149,7 @@ class _Receiver:
         if message.get("id") != self.xfer and op != wire.OP_ERROR:
             raise ProtocolError(f"reply for another transfer: {message.get('id')!r}")
         if op == wire.OP_ERROR:
-            self._drain_rest()
+            discard_rest(self.socket)
             code = str(message.get("code", "unknown"))
             text = str(message.get("msg", ""))
             if code == wire.ERR_NOT_STAGED:
@@ -164,14 +164,6 @@ class _Receiver:
     def _more(self) -> bool:
         return bool(self.socket.getsockopt(zmq.RCVMORE))
 
-    def _drain_rest(self) -> None:
-        while self._more():
-            self.socket.recv()
-
-    def _expect_no_more(self, what: str) -> None:
-        if self._more():
-            self._drain_rest()
-            raise ProtocolError(f"{what} carries unexpected extra frames")
 
     # ----------------------------------------------------------------- phases
 
@@ -219,7 +211,7 @@ class _Receiver:
         self.stage = stage
         self.relay_order = wire.decode_relay_order(message.get("relay")) if self.options.relay_at else None
         body = self.socket.recv()
-        self._expect_no_more("the header")
+        expect_no_more(self.socket, "the header")
         header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
         if header.step != self.step:
             raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
@@ -228,24 +220,19 @@ class _Receiver:
 
     def receive_data(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None = None) -> None:
         """Receive every data message into ``landed``, returning credit in batches."""
-        chunks = self.chunk_plan(header)
+        chunks, duty = self._begin_data(header, landed, unstager)
         done = 0
         unacknowledged = 0
         batch = max(1, self.options.window // 2)
         progress = self.options.progress
         prefaulter = landed.prefaulter
-        duty = self._attach_duty(landed, unstager)
-        if unstager is not None:
-            # Every bounce buffer is sized for the largest bounced message: none grows mid-receive.
-            self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
         for seq, pieces in enumerate(chunks):
             message = self._recv_envelope(f"data message {seq} of {len(chunks)}", in_transfer=True)
             if message["op"] != wire.OP_DATA or message.get("seq") != seq or not self._more():
                 raise ProtocolError(f"expected data message {seq}, got {message.get('op')!r} {message.get('seq')!r}")
             payload = self.land_message(self.socket, seq, message, landed, unstager, pieces)
             if duty is not None:
-                crc = message.get("crc")
-                duty.landed(seq, crc if type(crc) is int else None)
+                duty.landed(seq, wire.data_crc(message))
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < len(chunks):
                 self.socket.send(wire.credit_request(self.xfer, unacknowledged))
@@ -277,10 +264,7 @@ class _Receiver:
         """
         bounced = unstager is not None and unstager.wants(pieces)
         payload = self._receive_payload(socket, seq, pieces, landed, unstager if bounced else None)
-        if socket.getsockopt(zmq.RCVMORE):
-            while socket.getsockopt(zmq.RCVMORE):
-                socket.recv()
-            raise ProtocolError(f"data message {seq} carries unexpected extra frames")
+        expect_no_more(socket, f"data message {seq}")
         assert self.parsed is not None  # data only follows a validated header
         if self.parsed.header.checksum is not None and envelope.get("crc") != zlib.crc32(payload):
             raise integrity_error(self.parsed, seq, pieces, self.endpoint, self.step)
@@ -329,7 +313,7 @@ class _Receiver:
         message = self._recv_envelope("the end of the transfer", in_transfer=True)
         if message["op"] != wire.OP_END:
             raise ProtocolError(f"expected the end marker, got {message['op']!r}")
-        self._expect_no_more("the end marker")
+        expect_no_more(self.socket, "the end marker")
 
     def fall_back_to_one_stream(self) -> None:
         """The source serves no span fetches: drop the other paths, fetch everything on this connection."""
@@ -339,14 +323,11 @@ class _Receiver:
 
     def receive_striped(self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None) -> None:
         """Receive every data message in spans (:mod:`zmqtransport.striped`), relaying if the source said so."""
-        chunks = self.chunk_plan(header)
-        if unstager is not None:
-            self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
+        chunks, duty = self._begin_data(header, landed, unstager)
         assert self.stage is not None  # only a sender that serves spans gets here
         request = striped.Request(
             self.step, self.stage, self.options.allow_pickle, self.deadline, self.options.stall_timeout
         )
-        duty = self._attach_duty(landed, unstager)
         streams = self.conns.streams(self.options.streams, self.relay_order)
         run = striped.StripedReceive(
             streams,
@@ -384,13 +365,20 @@ class _Receiver:
         with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
             self.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
 
-    def _attach_duty(self, landed: Landed, unstager: RecvUnstager | None) -> relaying.RelayDuty | None:
-        """The relay duty, now serving from the landed memory; None when there is none or it cannot serve."""
+    def _begin_data(
+        self, header: wire.Header, landed: Landed, unstager: RecvUnstager | None
+    ) -> tuple[list[list[wire.Piece]], relaying.RelayDuty | None]:
+        """Before the first data message (one stream or several): the chunk plan, and the relay duty
+        serving from the landed memory (None when there is none or it cannot serve)."""
+        chunks = self.chunk_plan(header)
+        if unstager is not None:
+            # Every bounce buffer is sized for the largest bounced message: none grows mid-receive.
+            self.bounce_bytes = max((wire.chunk_length(p) for p in chunks if unstager.wants(p)), default=0)
         duty = self.duty
         if duty is None:
-            return None
+            return chunks, None
         duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
-        return None if duty.stopped else duty
+        return chunks, None if duty.stopped else duty
 
     @property
     def sent_to_relay(self) -> bool:

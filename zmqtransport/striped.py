@@ -27,6 +27,7 @@ import zmq
 
 from . import liveness, paths, wire
 from .errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
+from .landed import discard_rest
 from .net import Path
 from .spans import SPAN_BYTES, Span, SpanBook
 
@@ -227,7 +228,7 @@ class StripedReceive:
         wire.check_version(message, f"the sender at {stream.path.endpoint}")
         op, xfer = message.get("op"), message.get("id")
         if type(xfer) is not int:
-            _discard_rest(stream.socket)
+            discard_rest(stream.socket)
             raise ProtocolError(f"a reply without a transfer id from {stream.path.endpoint}")
         more = bool(stream.socket.getsockopt(zmq.RCVMORE))
         if op == wire.OP_DATA and more:
@@ -240,7 +241,7 @@ class StripedReceive:
             except ValueError as exc:
                 raise ProtocolError(f"{stream.path.endpoint}: {exc}") from None
         elif op == wire.OP_ERROR:
-            _discard_rest(stream.socket)
+            discard_rest(stream.socket)
             if xfer in self.cancelled:
                 return
             code, text = str(message.get("code", "unknown")), str(message.get("msg", ""))
@@ -252,22 +253,22 @@ class StripedReceive:
                 raise TimeoutError(f"recv_checkpoint timed out: the source at {stream.path.endpoint} staged nothing")
             raise RemoteError(code, f"the peer at {stream.path.endpoint}: {text}")
         else:
-            _discard_rest(stream.socket)
+            discard_rest(stream.socket)
             raise ProtocolError(f"unexpected {op!r} message from {stream.path.endpoint} in a striped receive")
 
     def _on_data(self, index: int, stream: Stream, message: dict[str, Any], xfer: int) -> None:
         seq = message.get("seq")
         if type(seq) is not int or not 0 <= seq < len(self.plan):
-            _discard_rest(stream.socket)
+            discard_rest(stream.socket)
             raise ProtocolError(f"data message number {seq!r} out of range from {stream.path.endpoint}")
         try:
             fresh = self.book.on_data(xfer, seq, time.monotonic())
         except ValueError as exc:
-            _discard_rest(stream.socket)
+            discard_rest(stream.socket)
             raise ProtocolError(f"{stream.path.endpoint}: {exc}") from None
         if not fresh:
             # A duplicate (the rest of a span taken over) or a cancelled span's: dropped.
-            _discard_rest(stream.socket)
+            discard_rest(stream.socket)
             self.duplicates += fresh is False
             return
         payload = self.land(stream.socket, seq, message)
@@ -275,8 +276,7 @@ class StripedReceive:
         stream.messages += 1
         self.landed_bytes += len(payload)
         if self._on_landed is not None:
-            crc = message.get("crc")
-            self._on_landed(seq, crc if type(crc) is int else None)
+            self._on_landed(seq, wire.data_crc(message))
         if self.progress is not None:
             self.progress(self.landed_bytes, self.offsets[-1])
 
@@ -288,8 +288,3 @@ class StripedReceive:
             if not stream.gone:
                 with contextlib.suppress(zmq.ZMQError):
                     stream.socket.send(wire.cancel_request(span.xfer), zmq.NOBLOCK)
-
-
-def _discard_rest(socket: zmq.Socket[Any]) -> None:
-    while socket.getsockopt(zmq.RCVMORE):
-        socket.recv(copy=False)

@@ -231,6 +231,12 @@ def data_envelope(xfer: int, seq: int, crc: int | None) -> bytes:
     return pack({"v": PROTOCOL_VERSION, "op": OP_DATA, "id": xfer, "seq": seq, "crc": crc})
 
 
+def data_crc(envelope: dict[str, Any]) -> int | None:
+    """The CRC a data envelope carries, as a relay forwards it (anything but an int: none)."""
+    crc = envelope.get("crc")
+    return crc if type(crc) is int else None
+
+
 def end_reply(xfer: int) -> bytes:
     return pack({"v": PROTOCOL_VERSION, "op": OP_END, "id": xfer})
 
