@@ -7,6 +7,7 @@ keep the two in step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -404,6 +405,11 @@ def plan_chunks(storages: list[int], chunk_bytes: int, pack_below: int) -> list[
 
 def chunk_length(pieces: list[Piece]) -> int:
     return sum(piece.length for piece in pieces)
+
+
+def plan_bytes(messages: Sequence[list[Piece]]) -> int:
+    """Bytes of these data messages of a chunk plan (a span, or the whole plan)."""
+    return sum(chunk_length(pieces) for pieces in messages)
 
 
 # Per-frame checksums (opt-in). crc32 from zlib runs at several GB/s.

@@ -110,14 +110,14 @@ class Relayed:
 
     @property
     def total_bytes(self) -> int:
-        return sum(wire.chunk_length(pieces) for pieces in self.plan)
+        return wire.plan_bytes(self.plan)
 
     @property
     def tensor_count(self) -> int:
         return 0  # the relay does not know the tensor table's size here; statistics only
 
     def span_bytes(self, first: int, stop: int) -> int:
-        return sum(wire.chunk_length(pieces) for pieces in self.plan[first:stop])
+        return wire.plan_bytes(self.plan[first:stop])
 
     def available(self, seq: int) -> bool:
         return not self._stopped and bool(self.landed[seq])

@@ -92,7 +92,7 @@ class Staged:
         return True  # every message of a staged step can be sent at once (a relay's cannot)
 
     def span_bytes(self, first: int, stop: int) -> int:
-        return sum(wire.chunk_length(pieces) for pieces in self.plan[first:stop])
+        return wire.plan_bytes(self.plan[first:stop])
 
     def payload(self, seq: int) -> tuple[Any, bool]:
         """The bytes of data message ``seq`` and whether they reference tensor memory."""
