@@ -17,7 +17,6 @@ Two sides, both without sockets:
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -84,14 +83,10 @@ class Relayed:
     views: Sequence[memoryview] | None = None
     landed: bytearray = field(default_factory=bytearray)  # 1 once data message seq's bytes are in place
     crcs: list[int | None] = field(default_factory=list)
-    # Set by the serving thread when it starts or sends a transfer of this
-    # relay; the receiving thread reads it to know when its downstream is done.
-    touched: float = field(default_factory=time.monotonic)
     served: bool = False  # a downstream has asked (until then nothing needs waking)
     # Downstream connections (routing ids) that asked and are still connected:
     # the relay's tail lasts while any is (set by the serving thread).
     peers: set[bytes] = field(default_factory=set)
-    sent_bytes: int = 0
     device_plan: None = None  # a relay serves host memory only
     # Held while a message is copied; stop() takes it, so once stop() returns
     # no copy is running and none will start: the memory is the caller's again.
@@ -146,7 +141,6 @@ class Relayed:
                 data = bytes(self.views[piece.storage][piece.start : piece.start + piece.length])
             else:
                 data = b"".join(bytes(self.views[piece.storage][: piece.length]) for piece in pieces)
-        self.sent_bytes += len(data)
         return data, False
 
     def crc(self, seq: int, payload: object) -> int | None:

@@ -276,8 +276,6 @@ class Scheduler:
 
     def sent(self, transfer: Transfer, now: float) -> list[Action]:
         """Data message ``transfer.next_seq`` went out."""
-        if isinstance(transfer.staged, Relayed):
-            transfer.staged.touched = now
         transfer.next_seq += 1
         transfer.credit -= 1
         if not transfer.done:
@@ -380,7 +378,6 @@ class Scheduler:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many transfers from this peer")]
         if len(self.transfers) >= self.limits.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
-        relayed.touched = now
         relayed.served = True
         relayed.peers.add(peer)
         return self._start_span(peer, request, address, now, relayed)
