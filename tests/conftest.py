@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from zmqtransport import RemoteError, ZMQTransport, wire
+from zmqtransport.lab import Lab
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -107,3 +110,21 @@ def spawn() -> Iterator[mp.context.SpawnContext]:
     for child in mp.active_children():
         child.kill()
         child.join(10)
+
+
+def lab_python(
+    lab: Lab, host: int, script: str, *args: str, env: dict[str, str] | None = None, stderr: bool = True
+) -> subprocess.Popen[str]:
+    """Run ``python -c script args`` on a lab host: stdin and stdout (and stderr) piped, as text.
+
+    ``env``: the whole environment (default: this one); torch's warnings are off either way.
+    """
+    return lab.popen(
+        host,
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if stderr else None,
+        text=True,
+        env={**(os.environ if env is None else env), "PYTHONWARNINGS": "ignore"},
+    )

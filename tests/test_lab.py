@@ -24,6 +24,8 @@ import pytest
 from zmqtransport import lab as lab_module
 from zmqtransport.lab import Lab, Shaping, build_plan, remove_leftovers, tcp_transfer
 
+from .conftest import lab_python
+
 REASON = lab_module.unavailable_reason()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 MINE = f"{lab_module.NAME_ROOT}{os.getpid()}x"
@@ -188,26 +190,10 @@ print(seconds, flush=True)
 
 def _transfer_between_two_hosts(rate_mbit: float, stall: float) -> tuple[float, int, float]:
     """Run SENDER on host 0 and RECEIVER on host 1; the receive's seconds, bytes host 0 sent, link bytes/s."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with Lab(hosts=2, nics=1, rate_mbit=rate_mbit) as lab:
-        sender = lab.popen(
-            0,
-            [sys.executable, "-c", SENDER, lab.address(0), str(stall)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        sender = lab_python(lab, 0, SENDER, lab.address(0), str(stall), stderr=False)
         # Started at once, so the two imports of torch overlap; the receiver waits for the metadata.
-        receiver = lab.popen(
-            1,
-            [sys.executable, "-c", RECEIVER, str(stall)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        receiver = lab_python(lab, 1, RECEIVER, str(stall))
         assert sender.stdout is not None and sender.stdin is not None
         metadata = sender.stdout.readline().strip()
         assert metadata, "the sender did not start"
@@ -325,27 +311,12 @@ def _paths_transfer(
     The cut comes once the source has sent a quarter of the state (read from
     the NIC counters), so every path has carried some of it by then.
     """
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     hosts = [lab.address(0, nic) for nic in bind]
     advertised = ",".join(advertise if advertise is not None else hosts)
-    sender = lab.popen(
-        0,
-        [sys.executable, "-c", PATHS_SENDER, ",".join(hosts), advertised, str(PATHS_MIB), str(SENDER_STALL_S)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    sender_args = [",".join(hosts), advertised, str(PATHS_MIB), str(SENDER_STALL_S)]
+    sender = lab_python(lab, 0, PATHS_SENDER, *sender_args, stderr=False)
     options = [str(PATHS_MIB), str(streams or "default"), str(stall), str(PATHS_TIMEOUT_S)]
-    receiver = lab.popen(
-        1,
-        [sys.executable, "-c", PATHS_RECEIVER, *options],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    receiver = lab_python(lab, 1, PATHS_RECEIVER, *options)
     assert sender.stdout is not None and sender.stdin is not None
     assert receiver.stdout is not None and receiver.stdin is not None
     metadata = sender.stdout.readline().strip()
@@ -513,25 +484,16 @@ class FanOut:
 
 
 def _start_receivers(lab: Lab, count: int, relay: bool, kill_first_at: float) -> list[subprocess.Popen[str]]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     mode = "relay" if relay else "direct"
     return [
-        lab.popen(
+        lab_python(
+            lab,
             host,
-            [
-                sys.executable,
-                "-c",
-                RELAY_RECEIVER,
-                str(RELAY_MIB),
-                mode,
-                str(kill_first_at if host == 1 else 0.0),
-                str(RELAY_TIMEOUT_S),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+            RELAY_RECEIVER,
+            str(RELAY_MIB),
+            mode,
+            str(kill_first_at if host == 1 else 0.0),
+            str(RELAY_TIMEOUT_S),
         )
         for host in range(1, count + 1)
     ]
@@ -560,15 +522,7 @@ def _fan_out(lab: Lab, count: int, relay: bool = True, kill_first_at: float = 0.
     chain: the others start once the source has sent it 1 MiB) and SIGKILLs
     itself once it has that fraction of the state.
     """
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    sender = lab.popen(
-        0,
-        [sys.executable, "-c", RELAY_SENDER, lab.address(0), str(RELAY_MIB), str(count)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    sender = lab_python(lab, 0, RELAY_SENDER, lab.address(0), str(RELAY_MIB), str(count), stderr=False)
     receivers = _start_receivers(lab, count, relay, kill_first_at)
     assert sender.stdout is not None and sender.stdin is not None
     source = sender.stdout.readline().strip()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +27,7 @@ from zmqtransport import lab as lab_module
 from zmqtransport.net import ADVERTISE_ENV, Path, PeerAddress, advertised_paths, parse_metadata, split_hosts
 from zmqtransport.serve.router import Router
 
-from .conftest import assert_same
+from .conftest import assert_same, lab_python
 from .test_failfast import NOT_LOCAL, call_bounded, expect_error, new_context, nothing_left  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
@@ -424,27 +422,12 @@ transport.shutdown()
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_lab_receive_uses_the_second_nic_when_the_first_is_down() -> None:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = dict(os.environ)
     env.pop(ADVERTISE_ENV, None)
     with lab_module.Lab(hosts=2, nics=2, rate_mbit=200) as lab:
         nics = f"{lab.address(0, 0)},{lab.address(0, 1)}"
-        sender = lab.popen(
-            0,
-            [sys.executable, "-c", LAB_SENDER, nics],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        receiver = lab.popen(
-            1,
-            [sys.executable, "-c", LAB_RECEIVER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        sender = lab_python(lab, 0, LAB_SENDER, nics, env=env, stderr=False)
+        receiver = lab_python(lab, 1, LAB_RECEIVER, env=env)
         assert sender.stdout is not None and sender.stdin is not None
         metadata = sender.stdout.readline().strip()
         assert metadata.startswith(f"tcp://{lab.address(0, 0)}:") and f"paths={lab.address(0, 1)}:" in metadata
