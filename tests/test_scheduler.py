@@ -20,6 +20,7 @@ from zmqtransport.errors import ProtocolError, VersionMismatchError
 from zmqtransport.serve.frames import HeldFrames
 from zmqtransport.serve.scheduler import (
     IDLE_WAKEUP,
+    RELAY_REGISTER_GRACE,
     Abort,
     Action,
     Finish,
@@ -670,7 +671,7 @@ def test_receiver_without_relay_offer_is_served_by_the_source(net: Net) -> None:
 
 def test_relayed_messages_go_out_only_once_landed_and_stop_ends_them(net: Net) -> None:
     relay = relayed()
-    net.scheduler.relay(relay)
+    net.execute(net.scheduler.relay(relay, net.now))
     request = fetch(xfer=3, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token)
     net.request(b"down", request)
     net.pump()
@@ -689,15 +690,19 @@ def test_relayed_messages_go_out_only_once_landed_and_stop_ends_them(net: Net) -
 
 def test_span_fetch_to_a_relay_needs_its_token_stage_and_step(net: Net) -> None:
     relay = relayed()
-    net.scheduler.relay(relay)
+    net.execute(net.scheduler.relay(relay, net.now))
     cases = [
-        (b"W" * 16, relay.stage_id, STEP, wire.ERR_NOT_RELAYING),
         (relay.token, relay.stage_id + 1, STEP, wire.ERR_WRONG_STEP),
         (relay.token, relay.stage_id, STEP + 1, wire.ERR_WRONG_STEP),
     ]
     for xfer, (token, stage, step, code) in enumerate(cases):
         net.request(b"x", fetch(xfer=xfer, step=step, credit=2, span=(0, 2), stage=stage, token=token))
         assert net.ops(b"x")[-1] == ("error", code)
+    # A token this side never registers: refused once the registration grace has passed.
+    net.request(b"x", fetch(xfer=5, credit=2, span=(0, 2), stage=relay.stage_id, token=b"W" * 16))
+    assert len(net.ops(b"x")) == 2
+    net.tick(RELAY_REGISTER_GRACE)
+    assert net.ops(b"x")[-1] == ("error", wire.ERR_NOT_RELAYING)
     net.request(b"x", fetch(xfer=9, credit=2, span=(4, 7), stage=relay.stage_id, token=relay.token))
     assert net.ops(b"x")[-1] == ("error", wire.ERR_BAD_REQUEST)
     assert net.scheduler.transfers == {}
@@ -705,7 +710,7 @@ def test_span_fetch_to_a_relay_needs_its_token_stage_and_step(net: Net) -> None:
 
 def test_disallow_of_the_staged_step_leaves_relayed_transfers_alone(net: Net) -> None:
     relay = relayed()
-    net.scheduler.relay(relay)
+    net.execute(net.scheduler.relay(relay, net.now))
     net.execute(net.scheduler.stage(staged(), net.now))
     net.request(b"down", fetch(xfer=1, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token))
     net.request(b"other", fetch(xfer=2))
@@ -774,9 +779,25 @@ def test_relay_order_round_trips() -> None:
 
 def test_relayed_downstream_peers_are_tracked_until_their_connection_closes(net: Net) -> None:
     relay = relayed()
-    net.scheduler.relay(relay)
+    net.execute(net.scheduler.relay(relay, net.now))
     assert not relay.served and not relay.peers
     net.request(b"down", fetch(xfer=1, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token))
     assert relay.served and relay.peers == {b"down"}
     net.scheduler.disconnected(b"down")  # its receive ended: the relay's tail may end
     assert relay.peers == set()
+
+
+def test_span_fetch_before_the_relay_registered_its_token_starts_when_it_does(net: Net) -> None:
+    # The source may send a downstream here while this receiver is still
+    # parsing the header it registers the token after.
+    relay = relayed()
+    net.request(b"down", fetch(xfer=1, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token))
+    assert net.inbox == {} and net.scheduler.transfers == {}
+    net.tick(RELAY_REGISTER_GRACE / 2)
+    net.execute(net.scheduler.relay(relay, net.now))
+    assert list(net.scheduler.transfers) == [(b"down", 1)]
+    relay.landed_one(0, None)
+    net.pump()
+    assert net.data(b"down", 1) == [0]
+    net.tick(RELAY_REGISTER_GRACE)
+    assert net.ops(b"down") == []  # never refused

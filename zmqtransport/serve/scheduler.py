@@ -48,6 +48,9 @@ IDLE_WAKEUP = 1.0
 # relayed against 2.31 s for HTTPTransport. Tests turn it on to exercise relays
 # on one machine.
 RELAY_LOOPBACK = False
+# How long a span fetch for a relay token this side has not registered waits
+# for it (the receive registers it as soon as it has parsed the header).
+RELAY_REGISTER_GRACE = 2.0
 REPARKED_RETRY = 0.02
 
 
@@ -172,6 +175,7 @@ class Scheduler:
         self.parked: list[Parked] = []
         self.chain = Chain()  # receivers of the staged step that offered to relay
         self.relays: dict[bytes, Relayed] = {}  # steps this side relays, by token
+        self.relay_parked: list[Parked] = []  # span fetches for a token not registered (yet)
         self._rebound_at = float("-inf")
 
     # ------------------------------------------------------------------ events
@@ -257,9 +261,18 @@ class Scheduler:
         """The socket was closed and bound again: every receiver is reconnecting."""
         self._rebound_at = now
 
-    def relay(self, relayed: Relayed) -> None:
-        """Serve ``relayed`` (a step this side is receiving) to span fetches showing its token."""
+    def relay(self, relayed: Relayed, now: float) -> list[Action]:
+        """Serve ``relayed`` (a step this side is receiving) to span fetches showing its token.
+
+        Span fetches that came for that token before it was registered start now.
+        """
         self.relays[relayed.token] = relayed
+        early = [p for p in self.relay_parked if p.request.token == relayed.token]
+        self.relay_parked = [p for p in self.relay_parked if p.request.token != relayed.token]
+        actions: list[Action] = []
+        for parked in early:
+            actions += self._start_relayed(parked.peer, parked.request, parked.address, now)
+        return actions
 
     def stop_relay(self, token: bytes) -> list[Action]:
         """Stop relaying: its running transfers end ``not_relaying`` (their receivers fetch elsewhere)."""
@@ -294,6 +307,12 @@ class Scheduler:
             # Only requests re-parked by undelivered after a forced rebind wait
             # while a step is staged: retry them now that their peer may be back.
             actions += self._retry_parked(now)
+        late = [p for p in self.relay_parked if p.deadline <= now]
+        if late:
+            self.relay_parked = [p for p in self.relay_parked if p.deadline > now]
+            for parked in late:
+                message = "this receiver relays nothing under that token"
+                actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_RELAYING, message))
         expired = [p for p in self.parked if p.deadline <= now]
         if expired:
             self.parked = [p for p in self.parked if p.deadline > now]
@@ -311,9 +330,10 @@ class Scheduler:
         actions: list[Action] = []
         for transfer in list(self.transfers.values()):
             actions.append(self._abort(transfer, wire.ERR_SHUTDOWN, "the serving transport is shutting down"))
-        for parked in self.parked:
+        for parked in (*self.parked, *self.relay_parked):
             actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_SHUTDOWN, "shutting down"))
         self.parked = []
+        self.relay_parked = []
         self.staged = None
         self.relays.clear()
         return actions
@@ -324,7 +344,7 @@ class Scheduler:
             return 0.0
         if self.staged is not None and self.parked:
             return REPARKED_RETRY
-        deadlines = [p.deadline for p in self.parked]
+        deadlines = [p.deadline for p in (*self.parked, *self.relay_parked)]
         deadlines += [t.last_progress + self.stall for t in self.transfers.values()]
         if not deadlines:
             return IDLE_WAKEUP
@@ -369,7 +389,12 @@ class Scheduler:
         assert request.token is not None and request.span is not None  # wire.decode_request
         relayed = self.relays.get(request.token)
         if relayed is None:
-            return [Refuse(peer, request.xfer, wire.ERR_NOT_RELAYING, "this receiver relays nothing under that token")]
+            # The source may have sent a downstream here before this receiver,
+            # busy parsing the same header, registered the token: wait a little.
+            if len(self.relay_parked) >= self.limits.parked:
+                return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")]
+            self.relay_parked.append(Parked(peer, request, now + RELAY_REGISTER_GRACE, address))
+            return []
         if request.step != relayed.step or request.stage != relayed.stage_id:
             return [Refuse(peer, request.xfer, wire.ERR_WRONG_STEP, f"this receiver relays step {relayed.step}")]
         if request.span[1] > relayed.messages:

@@ -292,7 +292,7 @@ class Server:
                 case StopCommand():
                     self._stopping = True
                 case RelayCommand(relayed):
-                    self._scheduler.relay(relayed)
+                    self._outbox.execute(self._scheduler.relay(relayed, time.monotonic()))
                 case StopRelayCommand(token, done):
                     # Copies are sent, never references: once its transfers are
                     # ended here, nothing reads the relayed memory any more.
