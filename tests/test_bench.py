@@ -105,7 +105,7 @@ def test_lab_scenario_reports_the_source_upload() -> None:
     done = _run("--scenario", "lab-1to1", "--total", "256K", "--tensor", "64K", "--methods", "zmq-fresh", "--json")
     assert done.returncode == 0, done.stderr
     (scenario,) = json.loads(done.stdout)["scenarios"]
-    assert scenario["scenario"]["lab"] == {"nics": 1, "rate_mbit": 400.0}
+    assert scenario["scenario"]["lab"] == {"nics": 1, "rate_mbit": 400.0, "host_rates": []}
     (sent,) = scenario["summary"]["zmq-fresh"]["source_sent"]
     assert 256 << 10 <= sent <= (256 << 10) * 1.1
 
