@@ -135,15 +135,17 @@ class ZMQTransport(CheckpointTransport[T]):
             stalls mid-transfer has its spans fetched over the others
             (docs/protocol.md, "Spans"). Needs a sender of this release; an
             older one is read over one connection.
-        relay: when several receivers fetch one step from one source at the
-            same time, forward what this receiver has received to the next
-            one, so the source uploads the state about once rather than once
-            per receiver (docs/protocol.md, "Relays"). On by default; it
-            costs this receiver its upload bandwidth while it receives, and
-            ``recv_checkpoint`` returns at most ``zmqtransport.fetch.relaying.RELAY_TAIL``
-            (1 s) after its own data is complete, never serving from the
-            received memory after it returns. ``False``: never relay, and
-            fetch from the source only.
+        relay: when several receivers on other hosts fetch one step from one
+            source at the same time, they form a swarm: each fetches from the
+            source and from the others, every peer as fast as it delivers,
+            and serves what it has received to them, so the source uploads
+            the state about once rather than once per receiver and a slow
+            receiver holds nobody back (docs/protocol.md, "Swarm"). On by
+            default; it costs this receiver upload bandwidth while it
+            receives, and ``recv_checkpoint`` returns at most
+            ``zmqtransport.fetch.relaying.RELAY_TAIL`` (50 ms) after its own
+            data is complete, never serving from the received memory after
+            it returns. ``False``: never relay, and fetch from the source only.
         allow_pickle: send objects that have no pickle-free encoding as pickle,
             and accept pickled objects when receiving. Off by default: a peer's
             pickle can run arbitrary code. Both sides must opt in.

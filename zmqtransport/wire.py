@@ -236,12 +236,17 @@ def have_request(xfer: int, stage: int, token: bytes | None) -> bytes:
     return pack(message)
 
 
-def have_reply(xfer: int, bits: int | None, messages: int, peers: Sequence[Peer] = ()) -> bytes:
-    """What this side holds (``bits``: a bit per data message; None: everything, the source) and, from the
-    source, the swarm's other members."""
+def have_reply(
+    xfer: int, bits: int | None, messages: int, peers: Sequence[Peer] = (), coming: int = 0
+) -> bytes:
+    """What this side holds (``bits``: a bit per data message; None: everything, the source), what it is
+    fetching now (``coming``) and, from the source, the swarm's other members."""
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HAVE, "id": xfer}
+    size = (messages + 7) // 8
     if bits is not None:
-        message["bits"] = bits.to_bytes((messages + 7) // 8, "little")
+        message["bits"] = bits.to_bytes(size, "little")
+    if coming:
+        message["coming"] = coming.to_bytes(size, "little")
     if peers:
         message["peers"] = [[at, token] for at, token in peers]
     return pack(message)
@@ -287,6 +292,7 @@ class Reply:
     code: str = ""
     text: str = ""
     have: int | None = None  # a have reply's bit set (None: holds everything)
+    coming: int = 0  # a have reply's messages being fetched
     peers: tuple[Peer, ...] = ()  # a have reply's swarm members, from the source
 
 
@@ -316,11 +322,12 @@ def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
     if op == OP_END:
         return Reply(op, xfer, more)
     if op == OP_HAVE:
-        bits = message.get("bits")
-        if bits is not None and not isinstance(bits, bytes):
-            raise ProtocolError(f"a have reply's 'bits' must be bytes, from {who}")
+        bits, coming = message.get("bits"), message.get("coming", b"")
+        if (bits is not None and not isinstance(bits, bytes)) or not isinstance(coming, bytes):
+            raise ProtocolError(f"a have reply's 'bits' and 'coming' must be bytes, from {who}")
         have = None if bits is None else int.from_bytes(bits, "little")
-        return Reply(op, xfer, more, have=have, peers=decode_peers(message.get("peers")))
+        fetching = int.from_bytes(coming, "little")
+        return Reply(op, xfer, more, have=have, coming=fetching, peers=decode_peers(message.get("peers")))
     raise ProtocolError(f"unknown reply op {op!r} from {who}")
 
 

@@ -23,17 +23,18 @@ from typing import Any
 
 import zmq
 
-from .. import buffers, wire
+from .. import buffers, relayed, wire
 from ..device import RecvUnstager
 from ..errors import ConnectionLostError, ProtocolError, StalledError
 from ..gcpause import paused_gc
-from ..net import PeerAddress
+from ..net import PeerAddress, is_local_address
 from ..stats import TransferStats
 from . import landing, liveness, striped
 from .connection import Configure, Connection, Connections
 from .inbox import Inbox
 from .landed import Landed, build, land
 from .options import FetchOptions
+from .peers import Peers, start_offset
 from .relaying import RelayDuty
 from .replies import discard_rest, expect_no_more, next_reply, refusal
 
@@ -121,7 +122,7 @@ class Receive:
 
     # ----------------------------------------------------------------- phases
 
-    def request(self, header_only: bool = False, keep_paths: bool = False) -> None:
+    def request(self, header_only: bool = False, keep_paths: bool = False, offer: str | None = None) -> None:
         """Connect (to the most preferred path that connects, when there are several) and ask for the step."""
         tried = self.conns.connect(self.deadline, keep_paths)
         if tried is not None:
@@ -132,11 +133,10 @@ class Receive:
         self.stats.peer = self.endpoint
         if self.address.more_paths:
             logger.debug("%s: using path %s", self.describe(at=False), self.endpoint)
-        self.send_request(header_only)
+        self.send_request(header_only, offer)
 
-    def send_request(self, header_only: bool = False, relay: bool = True) -> None:
+    def send_request(self, header_only: bool = False, offer: str | None = None) -> None:
         wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
-        offer = self.options.relay.at if relay and self.options.relay is not None else None
         request = wire.fetch_request(
             self.xfer, self.step, wait_ms, self.options.window, self.options.allow_pickle, header_only, relay=offer
         )
@@ -164,21 +164,36 @@ class Receive:
 
     def header_phase(self) -> tuple[landing.ParsedHeader, bool]:
         """Ask for and read the header; returns it and whether the data comes striped (in spans)."""
-        stripe = self.options.striped(self.address)
-        # A striped receive asks for the header alone, then for spans on every connection.
-        self.request(header_only=stripe, keep_paths=stripe)
+        offer = self._relay_offer()
+        # A striped receive, and one that may join a swarm, asks for the header
+        # alone, then for spans on every connection.
+        stripe = self.options.striped(self.address) or offer is not None
+        self.request(header_only=stripe, keep_paths=stripe, offer=offer)
         parsed = self.receive_header()
-        sent_to_relay = self.stage is not None and self.order is not None and self.order.upstream is not None
-        if stripe or sent_to_relay:
-            self.receive_end()  # the header came alone: spans follow (from a relay, maybe)
-            if self.stage is None:
-                # A sender that serves no span fetches: one connection, as it expects, and no relaying either.
-                self.conns.drop_spare()
-                self.xfer = random.getrandbits(63)
-                self.send_request(relay=False)
-                parsed = self.receive_header()
-            stripe = self.stage is not None
-        return parsed, stripe
+        if not stripe:
+            return parsed, False
+        self.receive_end()
+        if self.stage is None:
+            # A sender that serves no span fetches: one connection, as it expects, and no relaying either.
+            self.conns.drop_spare()
+            self.xfer = random.getrandbits(63)
+            self.order = None
+            self.send_request()
+            parsed = self.receive_header()
+        return parsed, self.stage is not None
+
+    def _relay_offer(self) -> str | None:
+        """Where this receive offers to serve others (its transport's metadata), or None.
+
+        No offer to a source on this host: the source would not make it a
+        swarm member (one host has one memory system, not several links).
+        """
+        relay = self.options.relay
+        if relay is None:
+            return None
+        if not relayed.RELAY_LOOPBACK and all(is_local_address(path.host) for path in self.address.paths):
+            return None
+        return relay.at
 
     def plan_data(self, header: wire.Header) -> None:
         """The chunk plan (once the header's sizes were accepted), and relaying if the source asked.
@@ -210,16 +225,30 @@ class Receive:
         self.receive_end()
 
     def receive_striped(self, inbox: Inbox, chunk_bytes: int) -> None:
-        """Receive every data message in spans over several connections (:mod:`.striped`)."""
+        """Receive every data message in spans over several connections (:mod:`.striped`), from the
+        source and, when the source made this receive a swarm member, from the other members."""
         assert self.stage is not None  # only a sender that serves spans gets here
         options = self.options
         terms = striped.SpanTerms(self.step, self.stage, options.allow_pickle, self.deadline, options.stall_timeout)
-        streams = self.conns.streams(options.streams, self.order)
-        run = striped.StripedReceive(streams, inbox, terms, striped.span_messages(chunk_bytes), self.describe(False))
+        streams = self.conns.streams(options.streams)
+        messages = len(inbox.plan)
+        swarm, offset = None, 0
+        known: tuple[wire.Peer, ...] = ()
+        if self.order is not None:
+            known = self.order.peers
+            if not known and self.order.upstream is not None and self.order.upstream_token is not None:
+                known = ((self.order.upstream, self.order.upstream_token),)  # a source that names one relay
+            swarm = Peers(self.order.token, known)
+            offset = start_offset(len(known), messages)
+        # In a swarm, spans small enough that every member gets several (a slow peer holds few back).
+        span = striped.span_messages(chunk_bytes, messages if swarm else 0, len(streams) + len(known) + 2)
+        run = striped.StripedReceive(
+            streams, inbox, terms, span, self.describe(False), swarm, self.conns.open_peer, offset
+        )
         try:
             run.run()
         finally:
-            self._record(streams, run.duplicates)
+            self._record(run.streams, run.duplicates)
 
     def _record(self, streams: list[Connection], duplicates: int) -> None:
         self.stats.streams = len(streams)

@@ -135,6 +135,7 @@ class SpanBook:
         self.spans: dict[int, Span] = {}  # outstanding, by transfer id
         self._streams: list[_Stream] = []
         self._holds: dict[int, int | None] = {SOURCE: None}  # peer -> the messages it holds (None: all)
+        self._coming: dict[int, int] = {}  # peer -> the messages it is fetching (from anyone) as it reported
         self._all = (1 << messages) - 1
         self._wanted = self._all  # not landed
         self._free = self._all  # not landed and not asked for on any stream
@@ -171,10 +172,16 @@ class SpanBook:
         self._streams.append(_Stream(peer))
         return len(self._streams) - 1
 
-    def holds(self, peer: int, have: int) -> None:
-        """``peer`` reported holding the messages set in ``have`` (a bit set; out-of-plan bits are ignored)."""
+    def holds(self, peer: int, have: int, coming: int = 0) -> None:
+        """``peer`` reported holding the messages set in ``have`` and fetching those in ``coming``
+        (bit sets; out-of-plan bits are ignored)."""
         if peer != SOURCE:
             self._holds[peer] = have & self._all
+            self._coming[peer] = coming & self._all & ~have
+
+    def asked(self) -> int:
+        """The messages this receive is fetching now: wanted, and asked of some stream (a bit set)."""
+        return self._wanted & ~self._free
 
     def connected(self, stream: int, up: bool) -> None:
         state = self._streams[stream]
@@ -260,6 +267,7 @@ class SpanBook:
         for index in streams:
             self.lost(index)
         self._holds[peer] = 0
+        self._coming.pop(peer, None)
         return streams
 
     def interrupted(self, stream: int) -> list[Span]:
@@ -308,20 +316,25 @@ class SpanBook:
         held = self._holds.get(peer, 0)
         return self._all if held is None else held
 
-    def _others(self, peer: int) -> int:
-        """What the peers other than ``peer`` (and the source) hold."""
-        union = 0
+    def _others(self, peer: int) -> tuple[int, int]:
+        """What the peers other than ``peer`` (and the source) hold, and what they are fetching."""
+        held_union = coming_union = 0
         for other, held in self._holds.items():
             if other != peer and held is not None:
-                union |= held
-        return union
+                held_union |= held
+                coming_union |= self._coming.get(other, 0)
+        return held_union, coming_union
 
     def _choose(self, peer: int, candidates: int) -> tuple[int, int] | None:
-        """The span to ask ``peer`` for among ``candidates``: the rarest first, from this receive's offset on."""
+        """The span to ask ``peer`` for among ``candidates``: the rarest first, from this receive's offset on.
+
+        Rarest: what no other peer holds or is fetching (the source's uplink
+        then carries each message about once); then what no other peer holds.
+        """
         if not candidates:
             return None
-        rare = candidates & ~self._others(peer)
-        pool = rare or candidates
+        held, coming = self._others(peer)
+        pool = (candidates & ~held & ~coming) or (candidates & ~held) or candidates
         after = pool >> self.offset << self.offset
         start = _lowest(after or pool)
         return start, start + _run_length(candidates, start, min(self.span, self.messages - start))
@@ -364,7 +377,7 @@ class SpanBook:
         rest = (((1 << (span.stop - span.next)) - 1) << span.next) & self._wanted
         for other in self.spans.values():
             if other.next < span.stop and span.next < other.stop:
-                rest &= ~((((1 << (other.stop - other.next)) - 1) << other.next))
+                rest &= ~(((1 << (other.stop - other.next)) - 1) << other.next)
         self._free |= rest
 
     def _first_missing(self, first: int, stop: int) -> int:

@@ -2,13 +2,17 @@
 
 The header has arrived (over the first connection, from a sender that serves
 span fetches: docs/protocol.md, "Spans") and the landing plan is carried out.
-Here one thread, the receiving one, owns every DEALER: it asks each connected
-stream for spans as :class:`~.spans.SpanBook` hands them out,
-lands each data message as it comes (on whichever stream), and notices
-streams that are lost (their connection closed) or stalled (silent for the
-stall bound while they owe data), whose work goes to the others. It fails only
-when no stream is left, at the transfer deadline, or on a protocol or
-integrity error.
+Here one thread, the receiving one, owns every DEALER: to the source, over
+each of its paths, and, in a swarm (docs/protocol.md, "Swarm"), to each peer
+it knows. It asks each connected stream for spans as :class:`~.spans.SpanBook`
+hands them out, asks the peers what they hold and the source who the peers
+are (:class:`~.peers.Peers`), lands each data message as it comes (on
+whichever stream), and notices streams that are lost (their connection
+closed) or stalled (silent for the stall bound while they owe data), whose
+work goes to the others. A peer that answers with an error or anything
+malformed is dropped for this receive and its work goes elsewhere: only the
+source's refusals fail a receive. It fails only then, when no stream is left,
+at the transfer deadline, or on a protocol or integrity error from the source.
 """
 
 from __future__ import annotations
@@ -18,18 +22,19 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq
 
 from .. import wire
-from ..errors import ConnectionLostError, ProtocolError, StalledError
+from ..errors import ConnectionLostError, IntegrityError, ProtocolError, StalledError
 from . import liveness, racing
 from .connection import Connection
 from .inbox import Inbox
+from .peers import NewPeer, Peers
 from .replies import discard_rest, next_reply, refusal
-from .spans import SPAN_BYTES, Span, SpanBook
+from .spans import SOURCE, SPAN_BYTES, Span, SpanBook
 
 logger = logging.getLogger("zmqtransport.fetch")
 
@@ -38,6 +43,12 @@ logger = logging.getLogger("zmqtransport.fetch")
 CHECK_EVERY = 0.1
 # Messages taken from one stream before the others get a turn.
 DRAIN_BATCH = 32
+# Spans one stream should get over a receive at the least: with fewer, one
+# slow stream's outstanding spans are a large part of the whole.
+MIN_SPANS_PER_STREAM = 4
+
+# Opens the connections to a new swarm peer (where it serves, its token, its id in the book).
+OpenPeer = Callable[[str, bytes, int], list[Connection]]
 
 
 @dataclass(frozen=True)
@@ -51,32 +62,50 @@ class SpanTerms:
     stall_timeout: float | None
 
 
-def span_messages(chunk_bytes: int) -> int:
-    """Data messages per span: about :data:`SPAN_BYTES`, within the credit one request may carry."""
-    return max(1, min(wire.MAX_CREDIT, math.ceil(SPAN_BYTES / chunk_bytes)))
+def span_messages(chunk_bytes: int, messages: int = 0, streams: int = 1) -> int:
+    """Data messages per span: about :data:`SPAN_BYTES`, within the credit one request may carry,
+    and small enough that each of ``streams`` streams gets several spans of ``messages``."""
+    size = max(1, min(wire.MAX_CREDIT, math.ceil(SPAN_BYTES / chunk_bytes)))
+    if messages:
+        size = min(size, max(1, messages // (MIN_SPANS_PER_STREAM * max(1, streams))))
+    return size
 
 
 class StripedReceive:
     """Receives every data message of ``inbox``'s plan over ``streams``; the calling thread owns them all.
 
     ``who`` names the source in errors (its rank, where the caller gave one).
+    In a swarm, ``peers`` says who the other members are and ``open_peer``
+    connects to one; ``offset`` is where this receive starts its walk.
     """
 
-    def __init__(self, streams: Sequence[Connection], inbox: Inbox, terms: SpanTerms, span: int, who: str) -> None:
-        self.streams = list(streams)
+    def __init__(
+        self,
+        streams: Sequence[Connection],
+        inbox: Inbox,
+        terms: SpanTerms,
+        span: int,
+        who: str,
+        peers: Peers | None = None,
+        open_peer: OpenPeer | None = None,
+        offset: int = 0,
+    ) -> None:
+        self.streams: list[Connection] = []
         self.inbox = inbox
         self.terms = terms
         self.who = who
+        self.peers = peers
+        self.open_peer = open_peer
         self.messages = len(inbox.plan)
-        standby = frozenset(i for i, stream in enumerate(self.streams) if stream.standby)
-        self.book = SpanBook(self.messages, len(self.streams), span, standby=standby)
+        self.book = SpanBook(self.messages, 0, span, offset=offset)
         self.started = time.monotonic()
         self.duplicates = 0  # messages that landed twice (the second copy dropped)
         self.cancelled: set[int] = set()
         self.poller = zmq.Poller()
-        for stream in self.streams:
-            self.poller.register(stream.socket, zmq.POLLIN)
-            self.poller.register(stream.watch.monitor, zmq.POLLIN)
+        for stream in streams:
+            self._add(stream)
+        if peers is not None:
+            self._connect(peers.learn())
 
     # ------------------------------------------------------------------ the loop
 
@@ -86,6 +115,7 @@ class StripedReceive:
             while not self.book.complete:
                 now = time.monotonic()
                 self._follow_connections(now)
+                self._ask_peers(now)
                 self._ask(now)
                 self._check_bounds(now)
                 ready = dict(self.poller.poll(self._wait_ms(now)))
@@ -97,9 +127,28 @@ class StripedReceive:
 
     def _wait_ms(self, now: float) -> int:
         wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
-        return max(0, math.ceil((wake - now) * 1000))
+        if self.peers is not None:
+            wake = min(wake, self.peers.next_due())
+        return max(0, math.ceil((max(wake, now) - now) * 1000))
 
     # ------------------------------------------------------------------ streams
+
+    def _add(self, stream: Connection) -> None:
+        self.streams.append(stream)
+        self.book.add_stream(stream.peer)
+        self.poller.register(stream.socket, zmq.POLLIN)
+        self.poller.register(stream.watch.monitor, zmq.POLLIN)
+
+    def _connect(self, fresh: list[NewPeer]) -> None:
+        for new in fresh:
+            assert self.open_peer is not None  # a receive with peers can open them
+            try:
+                connections = self.open_peer(new.at, new.token, new.peer)
+            except ProtocolError as exc:
+                logger.warning("striped receive of step %d: cannot fetch from a peer: %s", self.terms.step, exc)
+                continue
+            for connection in connections:
+                self._add(connection)
 
     def _follow_connections(self, now: float) -> None:
         for index, stream in enumerate(self.streams):
@@ -112,7 +161,7 @@ class StripedReceive:
                 self._drain(index, stream)  # what arrived before the connection closed still counts
                 if lost_for >= liveness.RECONNECT_GRACE:
                     self._drop(index, stream, "connection lost")
-                elif not stream.interrupted:
+                elif not stream.interrupted and not stream.gone:
                     # The DEALER reconnects by itself (a source that rebuilt its
                     # ROUTER answers again within milliseconds): its spans go to
                     # the others now, and it gets work again once it is back.
@@ -129,14 +178,24 @@ class StripedReceive:
             if owed and stall is not None and now - min(self.book.silent_since(s) for s in owed) >= stall:
                 self._drop(index, stream, f"sent nothing for {stall:.3g} s (stall_timeout)")
 
-    def _drop(self, index: int, stream: Connection, why: str) -> None:
-        logger.info("striped receive of step %d: dropping %s (%s)", self.terms.step, stream.endpoint, why)
+    def _drop(self, index: int, stream: Connection, why: str, level: int = logging.INFO) -> None:
+        logger.log(level, "striped receive of step %d: dropping %s (%s)", self.terms.step, stream.endpoint, why)
         stream.gone = why
         self.book.lost(index)
         with contextlib.suppress(KeyError):
             self.poller.unregister(stream.socket)
             self.poller.unregister(stream.watch.monitor)
         stream.close()
+
+    def _drop_peer(self, peer: int, why: str, level: int = logging.WARNING) -> None:
+        """Fetch nothing more from ``peer`` in this receive: its spans go to the source and the others."""
+        assert self.peers is not None and peer != SOURCE
+        self.peers.drop(peer)
+        self.book.forget_peer(peer)
+        for index, stream in enumerate(self.streams):
+            if stream.peer == peer and not stream.gone:
+                self._drop(index, stream, f"peer: {why}", level)
+                level = logging.DEBUG  # named once
 
     def _ask(self, now: float) -> None:
         terms = self.terms
@@ -155,11 +214,30 @@ class StripedReceive:
                     stage=terms.stage,
                     token=stream.token,
                 )
-                try:
-                    stream.socket.send(fetch, zmq.NOBLOCK)
-                except zmq.Again:
-                    self._drop(index, stream, "its connection takes no requests")
+                if not self._send(index, stream, fetch):
                     break
+        if self.inbox.duty is not None:
+            self.inbox.duty.fetching(self.book.asked())
+
+    def _ask_peers(self, now: float) -> None:
+        """Ask the peers whose turn it is what they hold, and the source who the peers are."""
+        peers = self.peers
+        if peers is None:
+            return
+        reachable = {stream.peer for stream in self.streams if not stream.gone and not stream.interrupted}
+        for peer in peers.due(now, reachable):
+            index, stream = next((i, s) for i, s in enumerate(self.streams) if s.peer == peer and not s.gone)
+            xfer = random.getrandbits(63)
+            if self._send(index, stream, wire.have_request(xfer, self.terms.stage, peers.token_of(peer))):
+                peers.asking(peer, xfer, now)
+
+    def _send(self, index: int, stream: Connection, request: bytes) -> bool:
+        try:
+            stream.socket.send(request, zmq.NOBLOCK)
+        except zmq.Again:
+            self._drop(index, stream, "its connection takes no requests")
+            return False
+        return True
 
     def _check_bounds(self, now: float) -> None:
         if all(stream.gone for stream in self.streams):
@@ -179,20 +257,26 @@ class StripedReceive:
     def _drain(self, index: int, stream: Connection) -> None:
         who = self._describe(stream)
         for _ in range(DRAIN_BATCH):
-            reply = next_reply(stream.socket, who)
-            if reply is None:
-                return
-            self._handle(index, stream, reply, who)
+            try:
+                reply = next_reply(stream.socket, who)
+                if reply is None:
+                    return
+                self._handle(index, stream, reply, who)
+            except (ProtocolError, IntegrityError) as exc:
+                if stream.peer == SOURCE:
+                    raise
+                # A peer that sends anything malformed or corrupt is dropped; the source still serves.
+                self._drop_peer(stream.peer, str(exc))
             if self.book.complete or stream.gone:
                 return
 
     def _describe(self, stream: Connection) -> str:
-        return f"the relay at {stream.endpoint}" if stream.token is not None else f"{self.who} at {stream.endpoint}"
+        return f"the peer at {stream.endpoint}" if stream.peer != SOURCE else f"{self.who} at {stream.endpoint}"
 
     def _handle(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
         xfer = reply.xfer
         if reply.op == wire.OP_DATA and reply.more:
-            self._on_data(index, stream, reply, who)
+            self._on_data(stream, reply, who)
         elif reply.op == wire.OP_END and not reply.more:
             if xfer in self.cancelled:
                 return
@@ -201,20 +285,31 @@ class StripedReceive:
                 self._cancel(self.book.on_end(xfer))
             except ValueError as exc:
                 raise ProtocolError(f"{who}: {exc}") from None
+        elif reply.op == wire.OP_HAVE and not reply.more:
+            self._on_have(stream, reply, who)
         elif reply.op == wire.OP_ERROR:
             discard_rest(stream.socket)
             if xfer in self.cancelled:
                 return
-            if reply.code == wire.ERR_NOT_RELAYING and stream.token is not None:
-                # A relay that cannot (or no longer) serve: the source or another relay will.
-                self._drop(index, stream, f"relay: {reply.text}")
-                return
-            raise refusal(reply, who, self.terms.step)
+            if stream.peer == SOURCE:
+                raise refusal(reply, who, self.terms.step)
+            # A peer that cannot (or no longer) serve: routine at the end of its tail.
+            level = logging.INFO if reply.code == wire.ERR_NOT_RELAYING else logging.WARNING
+            self._drop_peer(stream.peer, f"[{reply.code}] {reply.text}", level)
         else:
             discard_rest(stream.socket)
             raise ProtocolError(f"unexpected {reply.op!r} message from {who} in a striped receive")
 
-    def _on_data(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
+    def _on_have(self, stream: Connection, reply: wire.Reply, who: str) -> None:
+        peer = self.peers.answered(reply.xfer) if self.peers is not None else None
+        if peer is None or self.peers is None or peer != stream.peer:
+            raise ProtocolError(f"{who}: a have reply to no question")
+        if peer == SOURCE:
+            self._connect(self.peers.learn(reply.peers))
+        elif not self.peers.dropped(peer):
+            self.book.holds(peer, reply.have or 0, reply.coming)
+
+    def _on_data(self, stream: Connection, reply: wire.Reply, who: str) -> None:
         seq = reply.seq
         if seq >= self.messages:
             discard_rest(stream.socket)
@@ -230,11 +325,15 @@ class StripedReceive:
             discard_rest(stream.socket)
             self.duplicates += fresh is False
             return
-        stream.bytes += self.inbox.land(stream.socket, reply, who)
+        try:
+            stream.bytes += self.inbox.land(stream.socket, reply, who)
+        except (ProtocolError, IntegrityError):
+            self.book.rejected(seq)  # whatever landed of it is overwritten by a good copy
+            raise
         stream.messages += 1
 
     def _cancel(self, spans: list[Span]) -> None:
-        """Tell the source to stop sending spans this receive no longer needs (best effort)."""
+        """Tell the senders to stop sending spans this receive no longer needs (best effort)."""
         for span in spans:
             self.cancelled.add(span.xfer)
             stream = self.streams[span.stream]

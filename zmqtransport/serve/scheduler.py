@@ -13,15 +13,16 @@ per round, so concurrent receivers share the link.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .. import relayed as shared_relaying
 from .. import wire
+from ..net import is_local_address
 from ..relayed import Relayed
-from .chain import Chain
 from .staged import Served, Staged
+from .swarm import Swarm
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
 
@@ -42,13 +43,6 @@ class Limits:
 # requests re-parked after a rebind.
 IDLE_WAKEUP = 1.0
 
-# Whether receivers on this host (a loopback connection) are chained into
-# relays. Not by default: a relay trades the receivers' uplinks for the
-# source's, and one host has one memory system, not several links. Measured on
-# loopback, three fresh 1 GiB receivers at once: the slowest took 2.99 s
-# relayed against 2.31 s for HTTPTransport. Tests turn it on to exercise relays
-# on one machine.
-RELAY_LOOPBACK = False
 # How long a span fetch for a relay token this side has not registered waits
 # for it (the receive registers it as soon as it has parsed the header).
 RELAY_REGISTER_GRACE = 2.0
@@ -144,6 +138,18 @@ class SendHeader:
 
 
 @dataclass(frozen=True)
+class Have:
+    """Answer a ``have`` request: what this side holds (None: everything) and, as the source, the swarm."""
+
+    peer: bytes
+    xfer: int
+    bits: int | None
+    messages: int
+    peers: tuple[wire.Peer, ...] = ()
+    coming: int = 0
+
+
+@dataclass(frozen=True)
 class Finish:
     """Every data message went out: send ``end`` and record the transfer."""
 
@@ -151,7 +157,7 @@ class Finish:
     seconds: float
 
 
-Action = Refuse | Abort | SendHeader | Finish
+Action = Refuse | Abort | SendHeader | Finish | Have
 
 
 class Scheduler:
@@ -163,8 +169,10 @@ class Scheduler:
         stall: float | None = None,
         limits: Limits | None = None,
         make_token: Callable[[], bytes] | None = None,
+        is_local: Callable[[str], bool] = is_local_address,
     ) -> None:
-        self.relay_loopback = RELAY_LOOPBACK
+        self.relay_loopback = shared_relaying.RELAY_LOOPBACK  # read here: tests patch the module
+        self.is_local = is_local  # whether a peer address belongs to this host
         # Relay tokens: unguessable, handed out only to the staged step's receivers.
         self.make_token = make_token if make_token is not None else lambda: os.urandom(wire.RELAY_TOKEN_BYTES)
         # A transfer whose receiver grants no credit and takes no data for this
@@ -174,7 +182,7 @@ class Scheduler:
         self.staged: Staged | None = None
         self.transfers: dict[Key, Transfer] = {}
         self.parked: list[Parked] = []
-        self.chain = Chain()  # receivers of the staged step that offered to relay
+        self.swarm = Swarm()  # receivers of the staged step that offered to relay
         self.relays: dict[bytes, Relayed] = {}  # steps this side relays, by token
         self.relay_parked: list[Parked] = []  # span fetches for a token not registered (yet)
         self._rebound_at = float("-inf")
@@ -184,13 +192,13 @@ class Scheduler:
     def stage(self, staged: Staged, now: float) -> list[Action]:
         """Serve ``staged`` from now on; requests parked until now start (or are refused)."""
         self.staged = staged
-        self.chain.clear()
+        self.swarm.clear()
         return self._retry_parked(now)
 
     def disallow(self) -> list[Action]:
         """Stop serving: nothing is staged, and every running transfer of it ends ``disallowed``."""
         self.staged = None
-        self.chain.clear()
+        self.swarm.clear()
         aborts: list[Action] = []
         for transfer in list(self.transfers.values()):
             if isinstance(transfer.staged, Relayed):
@@ -211,6 +219,8 @@ class Scheduler:
             self.transfers.pop(key, None)
             self.parked = [p for p in self.parked if p.key != key]
             return []
+        if request.op == wire.OP_HAVE:
+            return [self._have(peer, request)]
         if key in self.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
         if request.token is not None:
@@ -253,7 +263,7 @@ class Scheduler:
         gone = [t for t in self.transfers.values() if t.peer == peer]
         for transfer in gone:
             del self.transfers[transfer.key]
-        self.chain.left(peer)
+        self.swarm.left(peer)
         for relayed in self.relays.values():
             relayed.peers.discard(peer)  # that downstream's receive has ended
         return gone
@@ -371,8 +381,8 @@ class Scheduler:
         if request.span is not None:
             return self._start_span(peer, request, address, now, staged)
         order = None
-        if request.relay is not None and (self.relay_loopback or not is_loopback(address)):
-            order = self.chain.join(peer, request.relay, self.make_token())
+        if request.relay is not None and (self.relay_loopback or not self.is_local(address)):
+            order = self.swarm.join(peer, request.relay, self.make_token())
         # A receiver sent to a relay gets the header alone: it asks the relay for the data.
         header_only = request.header_only or (order is not None and order.upstream is not None)
         header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order)
@@ -384,6 +394,19 @@ class Scheduler:
             del self.transfers[transfer.key]
             return [header, Finish(transfer, 0.0)]
         return [header]
+
+    def _have(self, peer: bytes, request: wire.Request) -> Have | Refuse:
+        """What this side holds of ``request.stage``: as a swarm peer, what has landed; as the source,
+        everything, and the swarm's other members (``request.token`` is the asker's own)."""
+        token = request.token
+        relayed = self.relays.get(token) if token is not None else None
+        if relayed is not None and relayed.stage_id == request.stage:
+            return Have(peer, request.xfer, relayed.have, relayed.messages, coming=relayed.coming)
+        staged = self.staged
+        if staged is not None and staged.stage_id == request.stage:
+            peers = self.swarm.peers_for(token) if token is not None else None
+            return Have(peer, request.xfer, None, staged.messages, peers or ())
+        return Refuse(peer, request.xfer, wire.ERR_NOT_RELAYING, "this side serves nothing of that staging")
 
     def _start_relayed(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
         """A span fetch to this side as a relay: served from the step it is receiving, as it lands."""
@@ -445,12 +468,3 @@ class Scheduler:
         self.transfers.pop(transfer.key, None)
         return Abort(transfer, code, message)
 
-
-def is_loopback(address: str) -> bool:
-    """Whether a peer address (as the ROUTER reports it; IPv4-mapped IPv6 too) is a loopback address."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return bool((mapped or ip).is_loopback)
