@@ -286,8 +286,8 @@ def test_random_swarm_schedules_land_every_message_exactly_once(seed: int) -> No
         if b.complete:
             break
         now += 0.01
-        for peer in held:  # peers land messages on their own and report them
-            held[peer] |= 1 << rng.randrange(max(messages, 1))
+        for peer, have in held.items():  # peers land messages on their own and report them
+            held[peer] = have | 1 << rng.randrange(max(messages, 1))
             b.holds(peer, held[peer])
         for stream in b.live():
             xfer += 1
