@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -397,3 +398,49 @@ def test_bytes_per_path_are_medians_by_address() -> None:
     assert entry.recv_paths == {"10.77.0.1": 6 << 20, "10.77.0.2": 4 << 20}
     assert entry.duplicates == 1
     assert path_host("tcp://10.77.1.1:41509") == "10.77.1.1" and path_host("10.77.1.1") == "10.77.1.1"
+
+
+def _mixed_result() -> Any:
+    from zmqtransport.bench.config import LabSpec, Scenario
+    from zmqtransport.bench.runner import ScenarioResult
+
+    scenario = Scenario("lab-mixed", 32 << 20, 4 << 20, receivers=3, lab=LabSpec(host_rates=((1, 100.0),)),
+                        lead_s=0.2, methods=("zmq-fresh",), reps=1)
+    src, r1, r2, r3 = (f"tcp://10.77.0.{h}:{5000 + h}" for h in (1, 2, 3, 4))
+    mib = 1 << 20
+    paths = [{src: 24 * mib, r3: 8 * mib}, {src: 16 * mib, r3: 12 * mib, r1: 4 * mib}, {src: 20 * mib, r2: 12 * mib}]
+    trial = _relay_trial("zmq-fresh", [2.9, 0.9, 0.85], paths, [])
+    trial.timelines = [[(0.0, 0), (2.9, 32 * mib)], [(0.0, 0), (0.9, 32 * mib)], [(0.0, 0), (0.85, 32 * mib)]]
+    return ScenarioResult(scenario, [trial], {"zmq-fresh": _timed("zmq-fresh", 2.9)}, 1.0, True)
+
+
+def test_the_fan_out_picture_shows_who_served_whom(tmp_path: Path) -> None:
+    from zmqtransport.bench.plot import edge_table, edges, plot_fanout
+
+    result = _mixed_result()
+    flows = edges(result, result.trials[0])
+    assert flows[("src", "r1")] == 24 << 20 and flows[("r3", "r2")] == 12 << 20 and flows[("r1", "r2")] == 4 << 20
+    table = edge_table([result])
+    assert "src -> r1: 24.0 MiB" in table and "r2 -> r3: 12.0 MiB" in table
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "fanout.png"
+    drawn, what = plot_fanout([result], str(target))
+    assert drawn and target.stat().st_size > 10_000, what
+
+
+def test_without_matplotlib_the_picture_is_a_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from zmqtransport.bench.plot import plot_fanout
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    drawn, what = plot_fanout([_mixed_result()], str(tmp_path / "x.png"))
+    assert not drawn and "zmqtransport[plot]" in what and not (tmp_path / "x.png").exists()
+    assert plot_fanout([], str(tmp_path / "y.png"))[0] is False

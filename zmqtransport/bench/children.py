@@ -141,6 +141,35 @@ def _die_past(fraction: float) -> Callable[[int, int], None]:
     return progress
 
 
+# Points one receive's timeline keeps (it is sent to the driver with the outcome).
+TIMELINE_POINTS = 200
+
+
+class Timeline:
+    """Bytes landed over time in one receive, from ZMQTransport's progress callback (``--plot``)."""
+
+    def __init__(self, then: Callable[[int, int], None] | None = None) -> None:
+        self.then = then  # another progress callback to call after recording (a planned kill)
+        self.started = time.perf_counter()
+        self.points: list[tuple[float, int]] = []
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        self.points = [(0.0, 0)]
+
+    def __call__(self, done: int, total: int) -> None:
+        self.points.append((time.perf_counter() - self.started, done))
+        if self.then is not None:
+            self.then(done, total)
+
+    def sampled(self) -> list[tuple[float, int]]:
+        """At most :data:`TIMELINE_POINTS` points, the last one kept."""
+        points = self.points
+        step = max(1, len(points) // TIMELINE_POINTS)
+        kept = points[::step]
+        return kept if not points or kept[-1] == points[-1] else [*kept, points[-1]]
+
+
 def _one_link_ideal_s(scenario: Scenario) -> float:
     rate_mbit = scenario.lab.rate_mbit if scenario.lab is not None else 1e4
     return scenario.total_bytes / (rate_mbit * 1e6 / 8)
@@ -158,6 +187,7 @@ class ReceiverProcess:
         self.targets: list[Any] = []
         self.receiving: Receiving | None = None
         self.kill_timer_s: float | None = None  # the victim of a Kill, for a method without progress
+        self.timeline: Timeline | None = None  # bytes over time (ZMQTransport, which reports progress)
 
     def setup(self, method: str, metadata: str, step: int) -> None:
         """Untimed: the recovering model's own tensors (touched) and the method's receiver."""
@@ -172,6 +202,8 @@ class ReceiverProcess:
                 progress = _die_past(kill.at_fraction)
             else:
                 self.kill_timer_s = kill.at_fraction * _one_link_ideal_s(self.scenario)
+        if isinstance(chosen, ZmqMethod):
+            progress = self.timeline = Timeline(progress)
         env = RecvEnv(self.sizes, self.targets, self.knobs, self.place, self.rank, world, metadata, step, progress)
         self.receiving = chosen.receiver(env)
 
@@ -191,6 +223,8 @@ class ReceiverProcess:
         assert self.receiving is not None
         meter = PeakMeter()
         cpu_before = _cpu_seconds()
+        if self.timeline is not None:
+            self.timeline.start()
         started = time.perf_counter()
         tensors = self.receiving.receive(step)
         seconds = time.perf_counter() - started
@@ -212,6 +246,7 @@ class ReceiverProcess:
             "resettable": meter.resettable,
             "paths": stats.get("paths", {}),
             "duplicates": stats.get("duplicates", 0),
+            "timeline": self.timeline.sampled() if self.timeline is not None else [],
         }
 
     def close(self) -> None:

@@ -23,9 +23,9 @@ from .spans import SOURCE
 # Seconds between two questions to one peer about what it holds: a peer lands
 # a 1 MiB message every few milliseconds on a fast link, and a question costs
 # a few dozen bytes each way.
-HAVE_EVERY = 0.02
+HAVE_EVERY = 0.01
 # Seconds between two questions to the source about the swarm's members.
-MEMBERS_EVERY = 0.05
+MEMBERS_EVERY = 0.03
 # Where a member starts its walk through the plan, as a fraction of the plan
 # per member that joined before it (the golden ratio's: successive members
 # start far apart, whatever their number).
