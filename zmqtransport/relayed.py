@@ -1,4 +1,4 @@
-"""A step being received, served onward as it lands (docs/protocol.md, "Relays").
+"""A step being received, served onward as it lands (docs/protocol.md, "Swarm").
 
 Shared ground between the two sides: the receiving side (:mod:`zmqtransport.fetch.relaying`)
 creates a :class:`Relayed` and marks each data message as it lands; the sending

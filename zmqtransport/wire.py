@@ -113,7 +113,7 @@ class Request:
     # staged as ``stage``, without a header (docs/protocol.md, "Spans").
     span: tuple[int, int] | None = None
     stage: int | None = None
-    # Relays (docs/protocol.md, "Relays"): a header fetch offering to relay
+    # Relays (docs/protocol.md, "Swarm"): a header fetch offering to relay
     # gives where the receiver serves (its metadata); a span fetch to a relay
     # shows the token the source handed out for it.
     relay: str | None = None
@@ -369,7 +369,7 @@ def header_envelope(xfer: int, stage: int | None = None, relay: RelayOrder | Non
     """``stage``: the staging's id, which also says that this sender serves span fetches.
 
     ``relay``: for a receiver that offered to relay, the token it serves
-    under and where to fetch from instead of this sender (docs/protocol.md, "Relays").
+    under and where to fetch from instead of this sender (docs/protocol.md, "Swarm").
     """
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HEADER, "id": xfer}
     if stage is not None:
