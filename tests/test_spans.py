@@ -220,7 +220,7 @@ def test_receivers_with_other_offsets_start_at_other_messages() -> None:
 
 def test_a_slow_stream_is_overtaken_by_a_faster_one_with_nothing_to_do() -> None:
     b, source, peer = swarm(8, span=4, depth=1)
-    b.holds(7, bits(*range(8)))
+    b.holds(7, bits(*range(4)))
     slow = b.assign(peer, 1, 0.0)
     fast = b.assign(source, 2, 0.0)
     assert slow is not None and fast is not None and (slow.first, fast.first) == (0, 4)
@@ -239,7 +239,7 @@ def test_a_slow_stream_is_overtaken_by_a_faster_one_with_nothing_to_do() -> None
 
 def test_a_stream_of_equal_pace_is_not_overtaken() -> None:
     b, source, peer = swarm(8, span=4, depth=1)
-    b.holds(7, bits(*range(8)))
+    b.holds(7, bits(*range(4)))
     one, two = b.assign(peer, 1, 0.0), b.assign(source, 2, 0.0)
     assert one is not None and two is not None
     for seq, now in zip(range(0, 2), (0.01, 0.02), strict=True):
@@ -305,3 +305,29 @@ def test_random_swarm_schedules_land_every_message_exactly_once(seed: int) -> No
             b.lost(dead.pop())
     assert b.complete
     assert sorted(landed) == list(range(messages))
+
+
+def test_the_source_is_not_asked_for_what_a_peer_as_fast_holds_or_is_fetching() -> None:
+    b, source, peer = swarm(8, span=2, depth=4)
+    b.holds(7, bits(0, 1, 2, 3), coming=bits(4, 5))
+    asked = [b.assign(source, xfer, 0.0) for xfer in (1, 2, 3)]
+    assert [(s.first, s.stop) for s in asked if s] == [(6, 8)]  # only what nobody has or fetches
+    assert [(s.first, s.stop) for s in [b.assign(peer, 4, 0.0), b.assign(peer, 5, 0.0)] if s] == [(0, 2), (2, 4)]
+
+
+def test_the_source_is_asked_for_what_only_a_much_slower_peer_holds() -> None:
+    b, source, peer = swarm(12, span=1, depth=1)
+    b.holds(7, bits(*range(6)))
+
+    def fetch(stream: int, xfer: int, now: float) -> int:
+        span = b.assign(stream, xfer, now)
+        assert span is not None
+        b.on_data(xfer, span.first, now)
+        b.on_end(xfer)
+        return span.first
+
+    # The peer delivers a message every 100 ms, the source one every 10 ms (what no peer holds).
+    assert [fetch(peer, 1, 0.1), fetch(peer, 2, 0.2)] == [0, 1]
+    assert [fetch(source, 10 + n, 0.01 * (n + 1)) for n in range(6)] == [6, 7, 8, 9, 10, 11]
+    # Measured 10x slower than the source: what only it holds is fair game for the source now.
+    assert fetch(source, 20, 0.25) == 2

@@ -195,7 +195,7 @@ class SpanBook:
         if state.lost or not state.up or len(state.spans) >= self.depth:
             return None
         held = self._held_by(state.peer)
-        choice = self._choose(state.peer, self._free & held)
+        choice = self._choose(stream, self._free & held, now)
         if choice is not None:
             first, stop = choice
             return self._open(xfer, stream, first, stop, now)
@@ -316,25 +316,55 @@ class SpanBook:
         held = self._holds.get(peer, 0)
         return self._all if held is None else held
 
-    def _others(self, peer: int) -> tuple[int, int]:
-        """What the peers other than ``peer`` (and the source) hold, and what they are fetching."""
-        held_union = coming_union = 0
+    def _others(self, stream: int, now: float) -> tuple[int, int]:
+        """What the live peers other than ``stream``'s hold or are fetching: all of them, and those not
+        much slower than ``stream`` (bit sets)."""
+        peer = self._streams[stream].peer
+        mine = self.pace(stream)
+        everyone = not_slow = 0
         for other, held in self._holds.items():
-            if other != peer and held is not None:
-                held_union |= held
-                coming_union |= self._coming.get(other, 0)
-        return held_union, coming_union
+            if other == peer or held is None:
+                continue
+            pace = self._peer_pace(other, now)
+            if pace is math.inf:
+                continue  # no stream left to it, or every one gone quiet: it serves nobody now
+            theirs = held | self._coming.get(other, 0)
+            everyone |= theirs
+            if not (mine and pace is not None and pace > FASTER_BY * mine):
+                not_slow |= theirs
+        return everyone, not_slow
 
-    def _choose(self, peer: int, candidates: int) -> tuple[int, int] | None:
-        """The span to ask ``peer`` for among ``candidates``: the rarest first, from this receive's offset on.
+    def _peer_pace(self, peer: int, now: float) -> float | None:
+        """The best measured pace of ``peer``'s live streams (None: none measured yet; inf: none serving)."""
+        streams = [index for index, state in enumerate(self._streams) if state.peer == peer and not state.lost]
+        serving = [index for index in streams if not self._quiet(index, now)]
+        if not serving:
+            return math.inf
+        measured = [pace for pace in (self.pace(index) for index in serving) if pace]
+        return min(measured) if measured else None
 
-        Rarest: what no other peer holds or is fetching (the source's uplink
-        then carries each message about once); then what no other peer holds.
+    def _quiet(self, stream: int, now: float) -> bool:
+        """Whether ``stream`` owes data and has sent nothing for longer than its pace explains."""
+        owed = [span for span in self._streams[stream].spans if not span.finished]
+        return any(now - self.silent_since(span) >= self.quiet_after(stream) for span in owed)
+
+    def _choose(self, stream: int, candidates: int, now: float) -> tuple[int, int] | None:
+        """The span to ask ``stream`` for among ``candidates``: the rarest first, from this receive's offset on.
+
+        Rarest: what no other peer holds or is fetching; then what only peers
+        much slower than this stream hold or fetch. A stream to a peer then
+        takes anything its peer holds; one to the source does not: the
+        source's uplink is spent on nothing another peer is about to serve
+        as fast.
         """
         if not candidates:
             return None
-        held, coming = self._others(peer)
-        pool = (candidates & ~held & ~coming) or (candidates & ~held) or candidates
+        everyone, not_slow = self._others(stream, now)
+        pool = (candidates & ~everyone) or (candidates & ~not_slow)
+        if not pool and self._streams[stream].peer != SOURCE:
+            pool = candidates
+        if not pool:
+            return None
         after = pool >> self.offset << self.offset
         start = _lowest(after or pool)
         return start, start + _run_length(candidates, start, min(self.span, self.messages - start))
