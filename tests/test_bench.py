@@ -330,7 +330,7 @@ def test_issue13_targets_compare_several_receivers_with_one_in_the_same_run() ->
 def test_relay_presets_are_chosen_together() -> None:
     args = bench.build_parser().parse_args(["--scenario", "relay"])
     scenarios = bench.scenarios_from_args(args, available=frozenset({"torchft"}))
-    assert [s.name for s in scenarios] == ["lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed"]
+    assert [s.name for s in scenarios] == ["lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3"]
     shapes = {s.name: (s.receivers, s.kill is not None, "zmq-norelay" in s.methods) for s in scenarios}
     assert shapes == {
         "lab-1to1": (1, False, False),
@@ -338,8 +338,9 @@ def test_relay_presets_are_chosen_together() -> None:
         "lab-1to7": (7, False, True),
         "lab-kill": (3, True, True),
         "lab-mixed": (3, False, True),
+        "lab-2nic-1to3": (3, False, True),
     }
-    mixed = scenarios[-1]
+    mixed = scenarios[-2]
     assert mixed.lab is not None and mixed.lab.mixed and mixed.lead_s > 0
     # The first to ask (receiver 1, host 1) is on a link 4x slower than the others'.
     assert [mixed.lab.rate_of(host) for host in range(4)] == [400.0, 100.0, 400.0, 400.0]
@@ -367,6 +368,19 @@ def test_issue22_targets_hold_each_receiver_to_its_own_link() -> None:
         "zmq-fresh r3 (400 Mbit/s) seconds / its own link's ideal": (1.42, False),
         "zmq-fresh source upload / state": (1.5, True),
     }
+    # Two NICs per host and the swarm together, against one receiver over one NIC.
+    two = ScenarioResult(
+        Scenario("lab-2nic-1to3", 64 << 20, 4 << 20, receivers=3, lab=LabSpec(nics=2)),
+        [],
+        {"zmq-fresh": _timed("zmq-fresh", 0.8)},
+        1.0,
+        True,
+    )
+    one = ScenarioResult(
+        Scenario("lab-1to1", 64 << 20, 4 << 20, lab=LabSpec()), [], {"zmq-fresh": _timed("zmq-fresh", 1.4)}, 1.0, True
+    )
+    (two_nics,) = [t for t in evaluate_targets([one, two]) if t.issue == 22]
+    assert (round(two_nics.measured, 2), two_nics.limit, two_nics.holds) == (0.57, 0.6, True)
     table = format_link_summary([result])
     rows = {tuple(line.split()[:3]): line.split()[3:] for line in table.splitlines()[2:]}
     assert rows[("lab-mixed", "http-4", "r2")] == ["400", "1.600", "0.671", "2.38", "3.00"]

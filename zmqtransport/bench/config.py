@@ -177,12 +177,16 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-mixed"] = Scenario(
         "lab-mixed", 32 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=mixed, lead_s=0.2
     )
+    # Issue 22: several paths and the swarm together (2 NICs per host, 3 receivers).
+    rows["lab-2nic-1to3"] = Scenario(
+        "lab-2nic-1to3", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(nics=2)
+    )
     return rows
 
 
 PRESETS = _with_relay_rows(_presets())
 # The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
-RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed")
+RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3")
 LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)
 LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None)
 
