@@ -45,3 +45,16 @@ def test_members_start_their_walks_far_apart() -> None:
     gaps = sorted((b - a) % 100 for a in starts for b in starts if a != b)
     assert gaps[0] >= 14  # no two of the first four start within a seventh of the plan of each other
     assert start_offset(3, 0) == 0
+
+
+def test_a_peer_with_work_left_is_asked_less_often() -> None:
+    from zmqtransport.fetch.peers import HAVE_REFRESH
+
+    peers = Peers(None, [("tcp://a:1", A), ("tcp://b:1", B)])
+    peers.learn()
+    for peer, xfer in ((1, 10), (2, 11)):
+        peers.asking(peer, xfer, 0.0)
+        peers.answered(xfer)
+    assert peers.due(HAVE_EVERY, {1, 2}, busy={1}) == [2]
+    assert peers.next_due(busy={1, 2}) == HAVE_REFRESH
+    assert peers.due(HAVE_REFRESH, {1, 2}, busy={1}) == [1, 2]

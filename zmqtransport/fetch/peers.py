@@ -15,17 +15,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from .. import wire
 from .spans import SOURCE
 
-# Seconds between two questions to one peer about what it holds: a peer lands
-# a 1 MiB message every few milliseconds on a fast link, and a question costs
-# a few dozen bytes each way.
+# Seconds between two questions to one peer about what it holds, while this
+# receive has nothing left to ask it for (a peer lands a 1 MiB message every
+# few milliseconds on a fast link) ...
 HAVE_EVERY = 0.01
+# ... and while it has: only to keep what it is fetching known. Each question
+# costs both serving threads some CPU: with six peers, asking each every
+# 10 ms is 600 questions a second per receiver.
+HAVE_REFRESH = 0.1
 # Seconds between two questions to the source about the swarm's members.
-MEMBERS_EVERY = 0.03
+MEMBERS_EVERY = 0.05
 # Where a member starts its walk through the plan, as a fraction of the plan
 # per member that joined before it (the golden ratio's: successive members
 # start far apart, whatever their number).
@@ -79,15 +84,16 @@ class Peers:
         self._known = []
         return fresh
 
-    def due(self, now: float, reachable: set[int]) -> list[int]:
+    def due(self, now: float, reachable: AbstractSet[int], busy: AbstractSet[int] = frozenset()) -> list[int]:
         """Who to ask now: peers (among ``reachable``) without a question outstanding whose turn it is,
-        and the source (for members) when this receive has a token to show."""
+        and the source (for members) when this receive has a token to show. A ``busy`` peer (this
+        receive still has work for it) is asked only every :data:`HAVE_REFRESH`."""
         waiting = set(self._asked.values())
         due = [
             peer
             for peer in sorted(reachable)
             if peer != SOURCE and peer not in self._dropped and peer not in waiting
-            and now >= self._next_ask.get(peer, -math.inf)
+            and now >= self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
         ]
         asks_source = self.own_token is not None and SOURCE in reachable and SOURCE not in waiting
         if asks_source and now >= self._next_ask.get(SOURCE, -math.inf):
@@ -117,8 +123,12 @@ class Peers:
     def dropped(self, peer: int) -> bool:
         return peer in self._dropped
 
-    def next_due(self) -> float:
-        """When the next question falls due (inf: none can)."""
+    def next_due(self, busy: AbstractSet[int] = frozenset()) -> float:
+        """When the next question falls due (inf: none can); ``busy`` as for :meth:`due`."""
         waiting = set(self._asked.values())
-        times = [t for peer, t in self._next_ask.items() if peer not in waiting and peer not in self._dropped]
+        times = [
+            t + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
+            for peer, t in self._next_ask.items()
+            if peer not in waiting and peer not in self._dropped
+        ]
         return min(times, default=math.inf)

@@ -179,6 +179,10 @@ class SpanBook:
             self._holds[peer] = have & self._all
             self._coming[peer] = coming & self._all & ~have
 
+    def has_work_for(self, peer: int) -> bool:
+        """Whether ``peer`` holds messages this receive still wants and has asked nobody for."""
+        return bool(self._free & self._held_by(peer))
+
     def asked(self) -> int:
         """The messages this receive is fetching now: wanted, and asked of some stream (a bit set)."""
         return self._wanted & ~self._free

@@ -128,7 +128,7 @@ class StripedReceive:
     def _wait_ms(self, now: float) -> int:
         wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
         if self.peers is not None:
-            wake = min(wake, self.peers.next_due())
+            wake = min(wake, self.peers.next_due(self._busy()))
         return max(0, math.ceil((max(wake, now) - now) * 1000))
 
     # ------------------------------------------------------------------ streams
@@ -225,11 +225,16 @@ class StripedReceive:
         if peers is None:
             return
         reachable = {stream.peer for stream in self.streams if not stream.gone and not stream.interrupted}
-        for peer in peers.due(now, reachable):
+        for peer in peers.due(now, reachable, self._busy()):
             index, stream = next((i, s) for i, s in enumerate(self.streams) if s.peer == peer and not s.gone)
             xfer = random.getrandbits(63)
             if self._send(index, stream, wire.have_request(xfer, self.terms.stage, peers.token_of(peer))):
                 peers.asking(peer, xfer, now)
+
+    def _busy(self) -> set[int]:
+        """The peers this receive still has work for (asked about less often)."""
+        assert self.peers is not None
+        return {peer for peer in self.peers.tokens if self.book.has_work_for(peer)}
 
     def _send(self, index: int, stream: Connection, request: bytes) -> bool:
         try:
