@@ -98,7 +98,7 @@ class StripedReceive:
         self.open_peer = open_peer
         self.messages = len(inbox.plan)
         self.book = SpanBook(self.messages, 0, span, offset=offset)
-        self.started = time.monotonic()
+        self.added: list[float] = []  # when each stream joined this receive (a peer learned of later, later)
         self.duplicates = 0  # messages that landed twice (the second copy dropped)
         self.cancelled: set[int] = set()
         self.poller = zmq.Poller()
@@ -135,6 +135,7 @@ class StripedReceive:
 
     def _add(self, stream: Connection) -> None:
         self.streams.append(stream)
+        self.added.append(time.monotonic())
         self.book.add_stream(stream.peer)
         self.poller.register(stream.socket, zmq.POLLIN)
         self.poller.register(stream.watch.monitor, zmq.POLLIN)
@@ -169,7 +170,7 @@ class StripedReceive:
                     self._cancel(self.book.interrupted(index))
                 continue
             stream.interrupted = False
-            if not state.established and now - self.started >= racing.CONNECT_BOUND:
+            if not state.established and now - self.added[index] >= racing.CONNECT_BOUND:
                 self._drop(index, stream, "did not connect")
                 continue
             self.book.connected(index, state.established and state.lost_at is None)
