@@ -139,7 +139,7 @@ def test_a_relay_that_fails_mid_transfer_hands_its_downstream_to_the_source(make
 
 def _relay_child(metadata: str, step: int, killed_at: int) -> None:
     def die(done: int, total: int) -> None:
-        time.sleep(0.004)
+        time.sleep(0.02)  # slow enough that the other receiver fetches from it before it dies
         if done >= killed_at:
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -170,7 +170,10 @@ class StripedReceive:
                     self._cancel(self.book.interrupted(index))
                 continue
             stream.interrupted = False
-            if not state.established and now - self.added[index] >= racing.CONNECT_BOUND:
+            # A path of the source that does not connect is given up on (it may
+            # never: see racing); a peer's is simply given no work until it does.
+            late = now - self.added[index] >= racing.CONNECT_BOUND
+            if not state.established and late and stream.peer == SOURCE:
                 self._drop(index, stream, "did not connect")
                 continue
             self.book.connected(index, state.established and state.lost_at is None)
@@ -246,8 +249,9 @@ class StripedReceive:
         return True
 
     def _check_bounds(self, now: float) -> None:
-        if all(stream.gone for stream in self.streams):
-            tried = ", ".join(f"{s.endpoint} ({s.gone})" for s in self.streams)
+        if all(stream.gone for stream in self.streams if stream.peer == SOURCE):
+            # Peers serve only what they have: with the source gone, nothing guarantees the rest.
+            tried = ", ".join(f"{s.endpoint} ({s.gone or 'a peer'})" for s in self.streams)
             stalled = all("stall" in s.gone for s in self.streams)
             message = f"every connection to the source failed mid-transfer: {tried}"
             raise StalledError(message) if stalled else ConnectionLostError(message)
