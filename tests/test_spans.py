@@ -260,7 +260,7 @@ def test_a_rejected_message_is_asked_for_again_and_a_forgotten_peer_gets_nothing
     b.on_end(1)
     assert b.complete
     # Message 2's bytes did not match the source's digest: the peer is dropped, 2 is fetched again.
-    b.rejected(2)
+    b.rejected([2])
     assert not b.complete and b.prefix() == 2
     assert b.forget_peer(7) == [peer]
     assert b.assign(peer, 2, 0.2) is None
@@ -331,3 +331,22 @@ def test_the_source_is_asked_for_what_only_a_much_slower_peer_holds() -> None:
     assert [fetch(source, 10 + n, 0.01 * (n + 1)) for n in range(6)] == [6, 7, 8, 9, 10, 11]
     # Measured 10x slower than the source: what only it holds is fair game for the source now.
     assert fetch(source, 20, 0.25) == 2
+
+
+def test_a_held_message_is_asked_of_nobody_else_and_counts_once_verified() -> None:
+    b, source, peer = swarm(4, span=4, depth=1)
+    b.holds(7, bits(0, 1, 2, 3))
+    span = b.assign(peer, 1, 0.0)
+    assert span is not None
+    for seq in range(4):
+        assert b.on_data(1, seq, 0.1, held=True) is True
+    b.on_end(1)
+    assert not b.complete and b.prefix() == 0
+    assert b.assign(source, 2, 0.1) is None  # held: asked of nobody else while it is checked
+    b.verified(0)
+    b.verified(1)
+    b.rejected([2, 3])  # did not match: wanted again
+    assert b.prefix() == 2 and b.missing == 2
+    b.forget_peer(7)
+    again = b.assign(source, 3, 0.2)
+    assert again is not None and (again.first, again.stop) == (2, 4)

@@ -63,6 +63,11 @@ FASTER_BY = 2.0
 # The peer every book starts with: the source, which holds every message.
 SOURCE = 0
 
+# A message's state in SpanBook.landed.
+MISSING = 0
+LANDED = 1
+HELD = 2  # arrived from a stream that is not trusted; waits to be checked
+
 
 @dataclass
 class Span:
@@ -74,7 +79,11 @@ class Span:
     stop: int
     next: int  # the next message this span's stream will deliver
     opened: float  # when it was asked for
-    taken_over: bool = False  # another stream was asked for its rest
+    taken_at: float | None = None  # when another stream was asked for its rest (None: never)
+
+    @property
+    def taken_over(self) -> bool:
+        return self.taken_at is not None
 
     @property
     def finished(self) -> bool:
@@ -130,8 +139,9 @@ class SpanBook:
         self.span = span
         self.depth = depth
         self.offset = offset % messages if messages else 0
-        self.landed = bytearray(messages)  # 1 once message seq has arrived (its landing under way)
-        self.missing = messages
+        # Per message: MISSING, HELD (arrived, waiting to be checked) or LANDED.
+        self.landed = bytearray(messages)
+        self.missing = messages  # messages not LANDED
         self.spans: dict[int, Span] = {}  # outstanding, by transfer id
         self._streams: list[_Stream] = []
         self._holds: dict[int, int | None] = {SOURCE: None}  # peer -> the messages it holds (None: all)
@@ -151,7 +161,7 @@ class SpanBook:
 
     def prefix(self) -> int:
         """How many messages from the first on have all landed."""
-        while self._prefix < self.messages and self.landed[self._prefix]:
+        while self._prefix < self.messages and self.landed[self._prefix] == LANDED:
             self._prefix += 1
         return self._prefix
 
@@ -206,15 +216,17 @@ class SpanBook:
         victim = self._victim(stream, held, now)
         if victim is None:
             return None
-        victim.taken_over = True
+        victim.taken_at = now
         first = self._first_missing(victim.next, victim.stop)
         stop = first + _run_length(self._wanted & held, first, victim.stop - first)
         return self._open(xfer, stream, first, stop, now)
 
-    def on_data(self, xfer: int, seq: int, now: float) -> bool | None:
+    def on_data(self, xfer: int, seq: int, now: float, held: bool = False) -> bool | None:
         """A data message arrived. True: land it; False: a duplicate, drop it; None: no such span (cancelled).
 
-        Raises ``ValueError`` for a message out of its span's order.
+        ``held``: it comes from a stream that is not trusted, and counts only
+        once :meth:`verified` (nobody else is asked for it meanwhile). Raises
+        ``ValueError`` for a message out of its span's order.
         """
         span = self.spans.get(xfer)
         if span is None:
@@ -227,13 +239,22 @@ class SpanBook:
             state.gaps += now - state.last_data
             state.messages += 1
         state.last_data = now
-        if self.landed[seq]:
+        if self.landed[seq] != MISSING:
             return False
-        self.landed[seq] = 1
-        self.missing -= 1
         self._wanted &= ~_bit(seq)
         self._free &= ~_bit(seq)
+        if held:
+            self.landed[seq] = HELD
+        else:
+            self.landed[seq] = LANDED
+            self.missing -= 1
         return True
+
+    def verified(self, seq: int) -> None:
+        """Held message ``seq`` matched the source's digest: it has landed."""
+        if self.landed[seq] == HELD:
+            self.landed[seq] = LANDED
+            self.missing -= 1
 
     def on_end(self, xfer: int) -> list[Span]:
         """A span's ``end`` arrived. Returns the spans now pointless (their messages all landed): cancel them."""
@@ -251,11 +272,14 @@ class SpanBook:
             self._close(span)
         return done
 
-    def rejected(self, seq: int) -> None:
-        """Message ``seq`` landed, but its bytes turned out bad: it is wanted again (from another stream)."""
-        if self.landed[seq]:
-            self.landed[seq] = 0
-            self.missing += 1
+    def rejected(self, seqs: list[int]) -> None:
+        """Messages not believed (a mismatch with the source's digest, or their stream was dropped while
+        they were held, or their bytes failed to land): wanted again, from another stream."""
+        for seq in seqs:
+            if self.landed[seq] == MISSING:
+                continue
+            self.missing += self.landed[seq] == LANDED
+            self.landed[seq] = MISSING
             self._prefix = min(self._prefix, seq)
             self._wanted |= _bit(seq)
             self._free |= _bit(seq)
@@ -300,6 +324,11 @@ class SpanBook:
         """Seconds per message ``stream`` has taken on average (None: not measured yet)."""
         state = self._streams[stream]
         return state.gaps / state.messages if state.messages else None
+
+    def idle_since_taken_over(self, span: Span) -> bool:
+        """Whether ``span`` was taken over and its stream has delivered nothing since: it did none of its work."""
+        last = self._streams[span.stream].last_data
+        return span.taken_at is not None and (last is None or last < span.taken_at)
 
     def silent_since(self, span: Span) -> float:
         """Since when ``span``'s stream has delivered nothing (counted from when the span was asked for)."""
@@ -415,6 +444,6 @@ class SpanBook:
         self._free |= rest
 
     def _first_missing(self, first: int, stop: int) -> int:
-        while first < stop and self.landed[first]:
+        while first < stop and self.landed[first] != MISSING:
             first += 1
         return first

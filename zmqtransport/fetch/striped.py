@@ -338,7 +338,7 @@ class StripedReceive:
         try:
             stream.bytes += self.inbox.land(stream.socket, reply, who)
         except (ProtocolError, IntegrityError):
-            self.book.rejected(seq)  # whatever landed of it is overwritten by a good copy
+            self.book.rejected([seq])  # whatever landed of it is overwritten by a good copy
             raise
         stream.messages += 1
 
