@@ -28,6 +28,7 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,8 +44,16 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # syscall cost vanishes, small enough that the workers stay just ahead of the
 # receive loop and can stop soon after it catches up.
 PREFAULT_PIECE = 4 * 1024 * 1024
+# A worker leaves a piece to the data when the piece starts less than this
+# far ahead of it (at most an eighth of the fresh memory: see prefault_lead).
+PREFAULT_LEAD = 32 * 1024 * 1024
 # Fresh memory below this (per transfer) is not worth starting threads for.
 PREFAULT_MIN_BYTES = 16 * 1024 * 1024
+# A fresh storage below this is left to the copy: a piece of its own would
+# cost about what faulting its few pages in the copy costs. Not the piece size:
+# a state of mixed sizes (a transformer's 2.25 MiB projections and their Adam
+# moments) holds many storages between the two, a third of its bytes or more.
+PREFAULT_MIN_REGION = 64 * 1024
 # Seconds close() waits for each worker: one finishes at most the piece it is
 # on (4 MiB of page faults, milliseconds even on a loaded machine). A worker
 # left behind is harmless: MADV_POPULATE_WRITE never changes bytes, and on memory
@@ -136,13 +145,56 @@ def _glibc() -> bool:
         return False
 
 
+@dataclass
+class PrefaultCounts:
+    """What a :class:`Prefaulter`'s workers did, in bytes (read after :meth:`Prefaulter.close`)."""
+
+    faulted: int = 0  # faulted in by a worker
+    skipped: int = 0  # left to the data: it was less than the lead behind (or past it)
+    overtaken: int = 0  # faulted by a worker while the data entered the same piece (both faulted it)
+
+
+def prefault_lead(fresh_bytes: int) -> int:
+    """How far ahead of the data a piece must start for a worker to fault it in.
+
+    A piece the data reaches while a worker faults it is faulted twice: the
+    copy and the worker each take the fault for the same pages (each zeroes a
+    page, the kernel keeps one) under the same page-table lock. That happens
+    whenever the workers fall behind the data: on a loaded machine, or where
+    first touch is dear, as during seconds-long receives of several GiB (a
+    4 GiB receive measured 30,000 to 220,000 such double faults, up to a
+    fifth of its faults). Leaving the next stretch to the data and going on
+    beyond it, the workers never meet it. 32 MiB is several pieces of work
+    for each worker at any fault rate measured here; at most an eighth of the
+    fresh memory, so that a small receive is still mostly faulted ahead.
+    """
+    return min(PREFAULT_LEAD, fresh_bytes // 8)
+
+
+def prefault_pieces(regions: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``(stream_offset, pointer, nbytes)`` regions cut into page-aligned pieces of at most :data:`PREFAULT_PIECE`.
+
+    Partial pages at a region's ends are left out (madvise works on whole
+    pages; the copy faults those few itself).
+    """
+    pieces: list[tuple[int, int, int]] = []
+    for offset, pointer, nbytes in regions:
+        start = -pointer % PAGE  # madvise wants page-aligned ranges
+        for at in range(start, nbytes - PAGE + 1, PREFAULT_PIECE):
+            length = min(PREFAULT_PIECE, nbytes - at)
+            length -= length % PAGE
+            pieces.append((offset + at, pointer + at, length))
+    return pieces
+
+
 class Prefaulter:
     """Fault fresh receive memory in on worker threads, ahead of the data.
 
     ``regions`` are ``(stream_offset, pointer, nbytes)`` in the order the data
     arrives; the receive loop publishes how far it got in :attr:`received`, and
-    a worker skips any piece the data has already reached (faulting it in
-    again would only race the copy for the same page-table lock).
+    a worker leaves to the data any piece that starts less than ``lead``
+    bytes ahead of it (:func:`prefault_lead`: faulting it too would fault the
+    same pages twice, under the same page-table lock), going on beyond it.
 
     ``MADV_POPULATE_WRITE`` maps pages without writing to them, so a worker
     and the receive loop may touch the same pages at once without any risk to
@@ -152,17 +204,14 @@ class Prefaulter:
     :meth:`close` returns.
     """
 
-    def __init__(self, regions: Sequence[tuple[int, int, int]], threads: int) -> None:
+    def __init__(self, regions: Sequence[tuple[int, int, int]], threads: int, lead: int = 0) -> None:
         self.received = 0  # stream bytes the receive loop has written; set by that loop
-        self._pieces: list[tuple[int, int, int]] = []
-        for offset, pointer, nbytes in regions:
-            start = -pointer % PAGE  # madvise wants page-aligned ranges
-            for at in range(start, nbytes - PAGE + 1, PREFAULT_PIECE):
-                length = min(PREFAULT_PIECE, nbytes - at)
-                length -= length % PAGE
-                self._pieces.append((offset + at, pointer + at, length))
+        self.lead = lead
+        self.counts = PrefaultCounts()  # complete once close() has returned
+        self._pieces = prefault_pieces(regions)
         self._next = itertools.count()  # atomic under the GIL: each piece goes to one worker
         self._stopped = False
+        self._counts_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._work, name="zmqtransport-prefault", daemon=True)
             for _ in range(min(threads, len(self._pieces)))
@@ -177,9 +226,10 @@ class Prefaulter:
     @classmethod
     def start(cls, regions: Sequence[tuple[int, int, int]], threads: int) -> Prefaulter | None:
         """A running prefaulter, or None when there is too little memory to bother."""
-        if threads < 1 or sum(nbytes for _, _, nbytes in regions) < PREFAULT_MIN_BYTES:
+        fresh = sum(nbytes for _, _, nbytes in regions)
+        if threads < 1 or fresh < PREFAULT_MIN_BYTES:
             return None
-        return cls(regions, threads)
+        return cls(regions, threads, prefault_lead(fresh))
 
     def _work(self) -> None:
         # Faulting ahead is worth only the CPU nobody else wants: when a sender
@@ -188,12 +238,23 @@ class Prefaulter:
         # receiver. Lowering its own priority needs no privilege (Linux: per thread).
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICE)
+        counts = PrefaultCounts()
+        try:
+            self._fault_pieces(counts)
+        finally:
+            with self._counts_lock:
+                self.counts.faulted += counts.faulted
+                self.counts.skipped += counts.skipped
+                self.counts.overtaken += counts.overtaken
+
+    def _fault_pieces(self, counts: PrefaultCounts) -> None:
         madvise = _madvise()
         for index in self._next:
             if self._stopped or index >= len(self._pieces):
                 return
             offset, pointer, length = self._pieces[index]
-            if offset + length <= self.received:
+            if offset < self.received + self.lead:
+                counts.skipped += length
                 continue
             failed = madvise(pointer, length, MADV_POPULATE_WRITE) != 0
             if failed and ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
@@ -201,6 +262,9 @@ class Prefaulter:
                 return
             # Other failures (ENOMEM, EFAULT): the receive loop meets the same
             # condition when it touches these pages, and reports it then.
+            counts.faulted += length
+            if self.received > offset:
+                counts.overtaken += length
 
     def close(self) -> None:
         """Stop and join the workers (each finishes at most the piece it is on)."""
