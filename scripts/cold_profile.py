@@ -78,7 +78,8 @@ def _machine_idle() -> tuple[float, float]:
 
 def _instrument(phases: dict[str, Any]) -> None:
     """Record the receive's phase boundaries and the prefaulter's counts into ``phases``."""
-    from zmqtransport import buffers, receiver
+    from zmqtransport import buffers
+    from zmqtransport.fetch import receive as receiver
 
     land, build, close = receiver.land, receiver.build, buffers.Prefaulter.close
 

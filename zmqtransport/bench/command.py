@@ -29,7 +29,7 @@ from .config import (
 )
 from .layouts import UNIFORM
 from .methods import METHODS, NUMPY, TORCHFT, VARIANTS
-from .relayreport import format_paths_detail, format_relay_summary
+from .relayreport import format_link_summary, format_paths_detail, format_relay_summary
 from .report import format_growth, format_result, format_targets, machine_description, memory_available, to_json
 from .runner import BenchError, ScenarioResult, run_scenario
 from .targets import evaluate_targets
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         choices=[*PRESETS, "all", "lab", "relay", "growth", "large"],
         help="a preset (repeatable; 'all': every loopback preset but the large ones; 'lab': every lab preset; "
-        "'relay': issue 13's lab rows and the one-receiver row they compare with; 'growth': 1, 2 and 4 GiB "
+        "'relay': the fan-out lab rows and the one-receiver row they compare with; 'growth': 1, 2 and 4 GiB "
         "uniform, with a table of seconds per GiB; 'large': the transformer state, 4 and 8 GiB uniform); "
         "sizes below override it",
     )
@@ -211,8 +211,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _print_relays(results: Sequence[ScenarioResult], detail: bool) -> None:
-    """Issue 13's table (several receivers against one) and, with ``--detail``, who sent what to whom."""
-    for text in (format_relay_summary(results), format_paths_detail(results) if detail else ""):
+    """The fan-out tables (several receivers against one; each against its own link) and who sent what to whom."""
+    detailed = format_paths_detail(results) if detail else ""
+    for text in (format_relay_summary(results), format_link_summary(results), detailed):
         if text:
             print()
             print(text)

@@ -32,10 +32,27 @@ def settle_for(total_bytes: int) -> float:
 
 @dataclass(frozen=True)
 class LabSpec:
-    """Run a scenario in a network lab: one source host, one host per receiver."""
+    """Run a scenario in a network lab: one source host (0), one host per receiver (receiver rank r on host r).
+
+    ``host_rates``: ``(host, Mbit/s)`` pairs for hosts whose NICs run at
+    another rate than ``rate_mbit`` (mixed links: a slower port, another rack).
+    """
 
     nics: int = 1
     rate_mbit: float = DEFAULT_RATE_MBIT
+    host_rates: tuple[tuple[int, float], ...] = ()
+
+    def rate_of(self, host: int) -> float:
+        """Mbit/s of each of ``host``'s NICs, per direction."""
+        return dict(self.host_rates).get(host, self.rate_mbit)
+
+    def ideal_s(self, total_bytes: int, host: int) -> float:
+        """The time ``total_bytes`` take into ``host`` at its NICs' nominal rate (its own link's ideal)."""
+        return total_bytes / (self.nics * self.rate_of(host) * 1e6 / 8)
+
+    @property
+    def mixed(self) -> bool:
+        return any(rate != self.rate_mbit for _, rate in self.host_rates)
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,8 @@ class Scenario:
     warm: bool = False
     lab: LabSpec | None = None
     kill: Kill | None = None
+    # Receiver 1 asks this many seconds before the others (first in the source's relay chain).
+    lead_s: float = 0.0
     # What the state dict looks like (layouts.LAYOUTS); a transformer's size is
     # its weights and Adam moments together, about total_bytes (tensor_bytes unused).
     layout: str = UNIFORM
@@ -182,6 +201,11 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-kill"] = Scenario(
         "lab-kill", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(), kill=Kill()
     )
+    # Issue 22 (mixed links): the first receiver to ask on a link 4x slower than the others'.
+    mixed = LabSpec(host_rates=((1, DEFAULT_RATE_MBIT / 4),))
+    rows["lab-mixed"] = Scenario(
+        "lab-mixed", 32 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=mixed, lead_s=0.2
+    )
     return rows
 
 
@@ -213,8 +237,8 @@ def _large_presets() -> dict[str, Scenario]:
 
 LARGE = _large_presets()
 PRESETS = {**_with_relay_rows(_presets()), **LARGE}
-# Issue 13's rows and the one-receiver time they are compared with: ``--scenario relay``.
-RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill")
+# The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
+RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed")
 LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)
 # ``--scenario all``: every loopback preset but the large ones (minutes each, GiBs of memory on both sides).
 LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None and name not in LARGE)

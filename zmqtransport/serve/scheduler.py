@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
-from .relays import Chain, Relayed
-from .staged import Staged
+from ..relayed import Relayed
+from .chain import Chain
+from .staged import Served, Staged
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
 
@@ -60,7 +61,7 @@ class Transfer:
 
     peer: bytes
     xfer: int
-    staged: Staged | Relayed  # what it sends: the staged step, or a step this side relays
+    staged: Served  # what it sends: the staged step, or a step this side relays (Relayed)
     credit: int
     address: str
     started: float
@@ -408,7 +409,7 @@ class Scheduler:
         return self._start_span(peer, request, address, now, relayed)
 
     def _start_span(
-        self, peer: bytes, request: wire.Request, address: str, now: float, staged: Staged | Relayed
+        self, peer: bytes, request: wire.Request, address: str, now: float, staged: Served
     ) -> list[Action]:
         """A span fetch: its data messages, then ``end``; no header (the receiver has it)."""
         assert request.span is not None
