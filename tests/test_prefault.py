@@ -1,9 +1,10 @@
-"""The prefaulter's plan (pieces, lead by size) and what its workers fault in, read back with mincore."""
+"""The prefaulter's plan (pieces; lead, window, priority by size) and what its workers fault, read back with mincore."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 import time
 
 from zmqtransport import buffers
@@ -24,12 +25,17 @@ def resident(mapping: mmap.mmap) -> list[bool]:
     return [bool(byte & 1) for byte in vector.raw]
 
 
-def test_lead_is_32_mib_and_at_most_an_eighth_of_the_fresh_memory() -> None:
-    assert buffers.prefault_lead(4 << 30) == 32 * MIB
-    assert buffers.prefault_lead(1 << 30) == 32 * MIB
-    assert buffers.prefault_lead(256 * MIB) == 32 * MIB
-    assert buffers.prefault_lead(64 * MIB) == 8 * MIB
-    assert buffers.prefault_lead(buffers.PREFAULT_MIN_BYTES) == buffers.PREFAULT_MIN_BYTES // 8
+def test_the_plan_follows_the_fresh_size() -> None:
+    plan = buffers.prefault_plan
+    # The lead: 32 MiB, at most an eighth of the fresh memory.
+    assert plan(4 << 30).lead == plan(1 << 30).lead == plan(256 * MIB).lead == 32 * MIB
+    assert plan(64 * MIB).lead == 8 * MIB
+    assert plan(buffers.PREFAULT_MIN_BYTES).lead == buffers.PREFAULT_MIN_BYTES // 8
+    # Below 2 GiB: niced workers, as far ahead as they get; from 2 GiB on: normal priority, a 256 MiB window.
+    for small in (64 * MIB, 1 << 30, (2 << 30) - 1):
+        assert plan(small) == buffers.PrefaultPlan(lead=32 * MIB if small >= 256 * MIB else small // 8, nice=10)
+    for large in (2 << 30, 4 << 30, 48 << 30):
+        assert plan(large) == buffers.PrefaultPlan(lead=32 * MIB, ahead=256 * MIB, nice=None)
 
 
 def test_pieces_are_whole_pages_inside_their_region_in_stream_order() -> None:
@@ -53,7 +59,7 @@ def test_workers_leave_the_lead_to_the_data_and_fault_the_rest() -> None:
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     try:
-        prefaulter = buffers.Prefaulter([(0, base, size)], threads=2, lead=lead)
+        prefaulter = buffers.Prefaulter([(0, base, size)], threads=2, plan=buffers.PrefaultPlan(lead=lead))
         deadline = time.monotonic() + 30
         while not resident(mapping)[-1] and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -68,14 +74,45 @@ def test_workers_leave_the_lead_to_the_data_and_fault_the_rest() -> None:
         mapping.close()
 
 
-def test_start_takes_the_lead_from_the_fresh_size() -> None:
+def test_workers_keep_within_the_window_ahead_of_the_data() -> None:
+    size, lead, ahead = 64 * MIB, 4 * MIB, 12 * MIB
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+
+    def wait_resident(page: int) -> None:
+        deadline = time.monotonic() + 30
+        while not resident(mapping)[page] and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    try:
+        plan = buffers.PrefaultPlan(lead=lead, ahead=ahead)
+        prefaulter = buffers.Prefaulter([(0, base, size)], threads=2, plan=plan)
+        wait_resident(ahead // PAGE - 1)
+        time.sleep(0.2)  # time enough to fault far beyond the window, if a worker would
+        pages = resident(mapping)
+        assert all(pages[lead // PAGE : ahead // PAGE]) and not any(pages[ahead // PAGE :])
+        prefaulter.received = 32 * MIB  # the data moves on: the workers follow, again within the window
+        wait_resident((32 * MIB + ahead) // PAGE - 1)
+        time.sleep(0.2)
+        pages = resident(mapping)
+        assert all(pages[(32 * MIB + lead) // PAGE : (32 * MIB + ahead) // PAGE])
+        assert not any(pages[(32 * MIB + ahead) // PAGE :])
+        assert not any(pages[ahead // PAGE : (32 * MIB + lead) // PAGE]), "what the data passed was faulted"
+        prefaulter.close()  # workers waiting for the data stop at once
+        assert not any(thread.is_alive() for thread in threading.enumerate() if thread.name == "zmqtransport-prefault")
+    finally:
+        del base
+        mapping.close()
+
+
+def test_start_chooses_the_plan_by_the_fresh_size() -> None:
     mapping = mmap.mmap(-1, 64 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     try:
         prefaulter = buffers.Prefaulter.start([(0, base, 64 * MIB)], threads=1)
         assert prefaulter is not None
         prefaulter.close()
-        assert prefaulter.lead == buffers.prefault_lead(64 * MIB) == 8 * MIB
+        assert prefaulter.plan == buffers.prefault_plan(64 * MIB)
         assert buffers.Prefaulter.start([(0, base, buffers.PREFAULT_MIN_BYTES - PAGE)], threads=2) is None
         assert buffers.Prefaulter.start([(0, base, 64 * MIB)], threads=0) is None
     finally:

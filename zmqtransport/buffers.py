@@ -45,8 +45,13 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # receive loop and can stop soon after it catches up.
 PREFAULT_PIECE = 4 * 1024 * 1024
 # A worker leaves a piece to the data when the piece starts less than this
-# far ahead of it (at most an eighth of the fresh memory: see prefault_lead).
+# far ahead of it (at most an eighth of the fresh memory: see prefault_plan).
 PREFAULT_LEAD = 32 * 1024 * 1024
+# From this much fresh memory on the workers keep pace with the data, at
+# normal priority, at most PREFAULT_AHEAD beyond it; below it they fault as
+# far ahead as they get, at PREFAULT_NICE (see prefault_plan).
+PREFAULT_PACED_FROM = 2 * 1024 * 1024 * 1024
+PREFAULT_AHEAD = 256 * 1024 * 1024
 # Fresh memory below this (per transfer) is not worth starting threads for.
 PREFAULT_MIN_BYTES = 16 * 1024 * 1024
 # A fresh storage below this is left to the copy: a piece of its own would
@@ -154,21 +159,54 @@ class PrefaultCounts:
     overtaken: int = 0  # faulted by a worker while the data entered the same piece (both faulted it)
 
 
-def prefault_lead(fresh_bytes: int) -> int:
-    """How far ahead of the data a piece must start for a worker to fault it in.
+@dataclass(frozen=True)
+class PrefaultPlan:
+    """How a :class:`Prefaulter`'s workers go about it (:func:`prefault_plan` chooses by size).
 
-    A piece the data reaches while a worker faults it is faulted twice: the
-    copy and the worker each take the fault for the same pages (each zeroes a
-    page, the kernel keeps one) under the same page-table lock. That happens
-    whenever the workers fall behind the data: on a loaded machine, or where
-    first touch is dear, as during seconds-long receives of several GiB (a
-    4 GiB receive measured 30,000 to 220,000 such double faults, up to a
-    fifth of its faults). Leaving the next stretch to the data and going on
-    beyond it, the workers never meet it. 32 MiB is several pieces of work
-    for each worker at any fault rate measured here; at most an eighth of the
-    fresh memory, so that a small receive is still mostly faulted ahead.
+    ``lead``: a piece starting less than this beyond the data is left to the
+    data. ``ahead``: a worker waits while its piece starts this far or more
+    beyond the data (0: never waits). ``nice``: the workers' niceness (None:
+    the process's own).
     """
-    return min(PREFAULT_LEAD, fresh_bytes // 8)
+
+    lead: int = 0
+    ahead: int = 0
+    nice: int | None = None
+
+
+def prefault_plan(fresh_bytes: int) -> PrefaultPlan:
+    """The prefault strategy for a receive of ``fresh_bytes`` of fresh memory, chosen by measured size.
+
+    The lead, at every size: a piece the data reaches while a worker faults
+    it is faulted twice (the copy and the worker each zero a page for the
+    same address, the kernel keeps one) under one page-table lock. That
+    happens whenever the workers fall behind the data, as they do on a loaded
+    machine, where first touch is dear, and through seconds-long receives of
+    several GiB (a 4 GiB receive measured up to 220,000 double faults, a
+    fifth of its faults). With a 32 MiB lead (several pieces of work at any
+    fault rate measured here; at most an eighth of the memory, so that a small
+    receive is still mostly faulted ahead) the workers never meet the data.
+
+    Below :data:`PREFAULT_PACED_FROM` the workers run at nice
+    :data:`PREFAULT_NICE`, as far ahead as they get: they use the CPU nobody
+    else wants, and leave the sender's I/O thread its share where a sender
+    serves several receivers on the same few cores (three fresh 1 GiB
+    receivers on two vCPUs: 1.86 s at nice 10, 2.08 s at normal priority).
+    From it on they run at normal priority, at most :data:`PREFAULT_AHEAD`
+    beyond the data: niced through a receive that lasts seconds, they get
+    little CPU whenever anything else runs, fall behind, and the copy takes
+    the faults one at a time (cold 4 GiB receives on a busy two-vCPU machine,
+    alternating: niced 2.3-7.1 s, median 5.2 s, a third to half of the
+    memory faulted by the copy; paced 2.0-4.2 s, median 2.4 s, 95-99% faulted
+    ahead). At 2 GiB paced was the faster of the two (medians 1.19 s against
+    1.28 s), at 1 GiB the niced one (0.54 s against 0.77 s). Keeping to a
+    window, normal-priority workers never run far ahead of a pipeline that
+    needs the same cores.
+    """
+    lead = min(PREFAULT_LEAD, fresh_bytes // 8)
+    if fresh_bytes >= PREFAULT_PACED_FROM:
+        return PrefaultPlan(lead=lead, ahead=PREFAULT_AHEAD, nice=None)
+    return PrefaultPlan(lead=lead, ahead=0, nice=PREFAULT_NICE)
 
 
 def prefault_pieces(regions: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -191,10 +229,10 @@ class Prefaulter:
     """Fault fresh receive memory in on worker threads, ahead of the data.
 
     ``regions`` are ``(stream_offset, pointer, nbytes)`` in the order the data
-    arrives; the receive loop publishes how far it got in :attr:`received`, and
-    a worker leaves to the data any piece that starts less than ``lead``
-    bytes ahead of it (:func:`prefault_lead`: faulting it too would fault the
-    same pages twice, under the same page-table lock), going on beyond it.
+    arrives; the receive loop publishes how far it got in :attr:`received`.
+    ``plan`` (:func:`prefault_plan`) says how far ahead of the data a worker
+    must be to fault a piece (nearer pieces are left to the data), how far
+    ahead it may go, and at what priority.
 
     ``MADV_POPULATE_WRITE`` maps pages without writing to them, so a worker
     and the receive loop may touch the same pages at once without any risk to
@@ -204,14 +242,15 @@ class Prefaulter:
     :meth:`close` returns.
     """
 
-    def __init__(self, regions: Sequence[tuple[int, int, int]], threads: int, lead: int = 0) -> None:
-        self.received = 0  # stream bytes the receive loop has written; set by that loop
-        self.lead = lead
+    def __init__(self, regions: Sequence[tuple[int, int, int]], threads: int, plan: PrefaultPlan) -> None:
+        self._received = 0
+        self.plan = plan
         self.counts = PrefaultCounts()  # complete once close() has returned
         self._pieces = prefault_pieces(regions)
         self._next = itertools.count()  # atomic under the GIL: each piece goes to one worker
         self._stopped = False
         self._counts_lock = threading.Lock()
+        self._advanced = threading.Condition()
         self._threads = [
             threading.Thread(target=self._work, name="zmqtransport-prefault", daemon=True)
             for _ in range(min(threads, len(self._pieces)))
@@ -229,15 +268,32 @@ class Prefaulter:
         fresh = sum(nbytes for _, _, nbytes in regions)
         if threads < 1 or fresh < PREFAULT_MIN_BYTES:
             return None
-        return cls(regions, threads, prefault_lead(fresh))
+        return cls(regions, threads, prefault_plan(fresh))
+
+    @property
+    def received(self) -> int:
+        """Stream bytes the receive loop has written; set by that loop."""
+        return self._received
+
+    @received.setter
+    def received(self, nbytes: int) -> None:
+        self._received = nbytes
+        if self.plan.ahead:
+            with self._advanced:  # wake workers waiting for the data to come nearer
+                self._advanced.notify_all()
+
+    def _wait_for_data(self, offset: int) -> None:
+        """Block while ``offset`` lies ``plan.ahead`` or more beyond the data (until close())."""
+        ahead = self.plan.ahead
+        with self._advanced:
+            while not self._stopped and offset >= self._received + ahead:
+                self._advanced.wait(0.1)
 
     def _work(self) -> None:
-        # Faulting ahead is worth only the CPU nobody else wants: when a sender
-        # serves several receivers on few cores, prefault threads at normal
-        # priority took cycles from the sender's I/O thread and slowed every
-        # receiver. Lowering its own priority needs no privilege (Linux: per thread).
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICE)
+        if self.plan.nice is not None:
+            # Lowering its own priority needs no privilege (Linux: per thread).
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.plan.nice)
         counts = PrefaultCounts()
         try:
             self._fault_pieces(counts)
@@ -249,11 +305,16 @@ class Prefaulter:
 
     def _fault_pieces(self, counts: PrefaultCounts) -> None:
         madvise = _madvise()
+        lead, ahead = self.plan.lead, self.plan.ahead
         for index in self._next:
             if self._stopped or index >= len(self._pieces):
                 return
             offset, pointer, length = self._pieces[index]
-            if offset < self.received + self.lead:
+            if ahead and offset >= self._received + ahead:
+                self._wait_for_data(offset)
+                if self._stopped:
+                    return
+            if offset < self._received + lead:
                 counts.skipped += length
                 continue
             failed = madvise(pointer, length, MADV_POPULATE_WRITE) != 0
@@ -263,12 +324,14 @@ class Prefaulter:
             # Other failures (ENOMEM, EFAULT): the receive loop meets the same
             # condition when it touches these pages, and reports it then.
             counts.faulted += length
-            if self.received > offset:
+            if self._received > offset:
                 counts.overtaken += length
 
     def close(self) -> None:
         """Stop and join the workers (each finishes at most the piece it is on)."""
         self._stopped = True
+        with self._advanced:
+            self._advanced.notify_all()
         for thread in self._threads:
             if thread.ident is not None:  # started (a failed start leaves the rest unstarted)
                 thread.join(PREFAULT_JOIN_TIMEOUT)
