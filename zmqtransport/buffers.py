@@ -182,8 +182,8 @@ def prefault_plan(fresh_bytes: int) -> PrefaultPlan:
     same address, the kernel keeps one) under one page-table lock. That
     happens whenever the workers fall behind the data, as they do on a loaded
     machine, where first touch is dear, and through seconds-long receives of
-    several GiB (a 4 GiB receive measured up to 220,000 double faults, a
-    fifth of its faults). With a 32 MiB lead (several pieces of work at any
+    several GiB (a 4 GiB receive measured up to 214,000 double faults, a
+    sixth of its faults). With a 32 MiB lead (several pieces of work at any
     fault rate measured here; at most an eighth of the memory, so that a small
     receive is still mostly faulted ahead) the workers never meet the data.
 
@@ -196,8 +196,8 @@ def prefault_plan(fresh_bytes: int) -> PrefaultPlan:
     beyond the data: niced through a receive that lasts seconds, they get
     little CPU whenever anything else runs, fall behind, and the copy takes
     the faults one at a time (cold 4 GiB receives on a busy two-vCPU machine,
-    alternating: niced 2.3-7.1 s, median 5.2 s, a third to half of the
-    memory faulted by the copy; paced 2.0-4.2 s, median 2.4 s, 95-99% faulted
+    alternating: niced 2.3-7.1 s, median 5.2 s, a third to two thirds of the
+    memory faulted by the copy; paced 2.0-4.2 s, median 2.4 s, 91-99% faulted
     ahead). At 2 GiB paced was the faster of the two (medians 1.19 s against
     1.28 s), at 1 GiB the niced one (0.54 s against 0.77 s). Keeping to a
     window, normal-priority workers never run far ahead of a pipeline that
