@@ -18,9 +18,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import wire
+from .. import digests, wire
 from ..relayed import Relayed
-from .chain import Chain
+from .chain import Chain, believable_offer
 from .staged import Served, Staged
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
@@ -33,6 +33,8 @@ class Limits:
     transfers_per_peer: int = 4
     transfers: int = 64
     parked: int = 256
+    # Digest requests (small, answered within a few rounds) have a bound of their own.
+    digests_per_peer: int = 16
     # After a forced rebind, how long a parked request whose receiver has not
     # reconnected yet is kept for another try (DEALERs reconnect every 100 ms).
     rebind_grace: float = 5.0
@@ -55,6 +57,14 @@ RELAY_REGISTER_GRACE = 2.0
 REPARKED_RETRY = 0.02
 
 
+@dataclass(frozen=True)
+class Hashing:
+    """A transfer hashes each message it sends (:mod:`.digests`); ``inline``: the digest goes in its envelope."""
+
+    algorithm: digests.Algorithm
+    inline: bool
+
+
 @dataclass
 class Transfer:
     """One receiver's running fetch of the staged step."""
@@ -69,6 +79,9 @@ class Transfer:
     next_seq: int = 0
     stop: int = -1  # one past the last data message to send; -1: the whole plan
     span: bool = False  # a span fetch (part of a striped receive): no header was sent
+    hashing: Hashing | None = None
+    # A digest request: answered with the span's digests (serve.digests.DigestWork), no data.
+    digests_only: bool = False
 
     def __post_init__(self) -> None:
         self.first = self.next_seq
@@ -85,7 +98,7 @@ class Transfer:
 
     @property
     def sendable(self) -> bool:
-        return self.credit > 0 and not self.done and self.staged.available(self.next_seq)
+        return self.credit > 0 and not self.done and not self.digests_only and self.staged.available(self.next_seq)
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,7 @@ class SendHeader:
     parked: Parked | None  # the parked request this starts, if any
     stage_id: int | None = None  # the staging's id (announces that span fetches are served)
     relay: wire.RelayOrder | None = None  # for a receiver that offered to relay
+    digest: str | None = None  # for a receiver that offered to verify: the algorithm of its digests
 
     @property
     def key(self) -> Key:
@@ -213,6 +227,8 @@ class Scheduler:
             return []
         if key in self.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
+        if request.digests_only:
+            return self._start_digests(peer, request, address, now)
         if request.token is not None:
             return self._start_relayed(peer, request, address, now)
         if self.staged is None and request.span is not None:
@@ -324,6 +340,10 @@ class Scheduler:
             if transfer.credit == 0 and now - transfer.last_progress > self.stall:
                 message = f"receiver granted no credit and took no data for {self.stall:.1f} s"
                 actions.append(self._abort(transfer, wire.ERR_STALLED, message))
+            elif transfer.digests_only and now - transfer.last_progress > self.stall:
+                # Device memory is hashed as it is sent: nothing sent it within the bound.
+                message = f"no digest of message {transfer.next_seq} came within {self.stall:.1f} s"
+                actions.append(self._abort(transfer, wire.ERR_STALLED, message))
         return actions
 
     def shutdown(self) -> list[Action]:
@@ -370,20 +390,76 @@ class Scheduler:
             return [refusal]
         if request.span is not None:
             return self._start_span(peer, request, address, now, staged)
-        order = None
-        if request.relay is not None and (self.relay_loopback or not is_loopback(address)):
-            order = self.chain.join(peer, request.relay, self.make_token())
+        algorithm = digests.choose(request.verify)
+        order = self._relay_order(peer, request, address, follows=algorithm is not None)
         # A receiver sent to a relay gets the header alone: it asks the relay for the data.
         header_only = request.header_only or (order is not None and order.upstream is not None)
-        header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order)
+        digest = algorithm.name if algorithm is not None else None
+        header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest)
         if header_only:
             return [header]
-        transfer = Transfer(peer, request.xfer, staged, request.credit, address, started=now, last_progress=now)
+        hashing = self._hashing(request, staged, relays=order is not None)
+        transfer = Transfer(
+            peer, request.xfer, staged, request.credit, address, started=now, last_progress=now, hashing=hashing
+        )
         self.transfers[transfer.key] = transfer
         if transfer.done:  # nothing to send: only the header and the end
             del self.transfers[transfer.key]
             return [header, Finish(transfer, 0.0)]
         return [header]
+
+    def _relay_order(self, peer: bytes, request: wire.Request, address: str, follows: bool) -> wire.RelayOrder | None:
+        """Chain a receiver that offered to relay, under the address its connection comes from.
+
+        ``follows``: it verifies what it fetches (it offered an algorithm this
+        side has), so it may be sent to a relay; one that does not is served here.
+        """
+        if request.relay is None or not (self.relay_loopback or not is_loopback(address)):
+            return None
+        offer = believable_offer(request.relay, address)
+        if offer is None:
+            return None  # an offer to relay from elsewhere than the connection's host is not believed
+        return self.chain.join(peer, offer, self.make_token(), follows=follows)
+
+    @staticmethod
+    def _hashing(request: wire.Request, staged: Staged, relays: bool) -> Hashing | None:
+        """Whether a transfer of ``staged`` hashes what it sends (:class:`Hashing`).
+
+        Inline digests when the receiver asked; and the messages sent to a
+        relay of a staging in device memory, whose digests its downstream will
+        ask for and which the digest requests cannot read (serve.digests).
+        """
+        algorithm = digests.choose(request.verify)
+        if algorithm is None:
+            return None
+        if request.inline:
+            return Hashing(algorithm, inline=True)
+        if relays and staged.device_plan is not None:
+            return Hashing(algorithm, inline=False)
+        return None
+
+    def _start_digests(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
+        """A digest request: the digests of a span of the staged step, computed by serve.digests.DigestWork."""
+        staged = self.staged
+        assert request.span is not None  # wire.decode_request: digests_only needs a span
+        if staged is None:
+            return [Refuse(peer, request.xfer, wire.ERR_DISALLOWED, f"step {request.step} is no longer served")]
+        code, message = self._span_refusal(request, staged)
+        algorithm = digests.choose(request.verify)
+        if code is None and algorithm is None:
+            code, message = wire.ERR_BAD_REQUEST, f"no digest algorithm in common (this side has {digests.offered()})"
+        own = sum(1 for t in self.transfers.values() if t.peer == peer and t.digests_only)
+        if code is None and own >= self.limits.digests_per_peer:
+            code, message = wire.ERR_BUSY, "too many digest requests from this peer"
+        if code is not None:
+            return [Refuse(peer, request.xfer, code, message)]
+        assert algorithm is not None
+        first, stop = request.span
+        transfer = Transfer(peer, request.xfer, staged, 1, address, now, now, first, stop, span=True)
+        transfer.hashing = Hashing(algorithm, inline=False)
+        transfer.digests_only = True
+        self.transfers[transfer.key] = transfer
+        return []
 
     def _start_relayed(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
         """A span fetch to this side as a relay: served from the step it is receiving, as it lands."""
@@ -400,7 +476,7 @@ class Scheduler:
             return [Refuse(peer, request.xfer, wire.ERR_WRONG_STEP, f"this receiver relays step {relayed.step}")]
         if request.span[1] > relayed.messages:
             return [Refuse(peer, request.xfer, wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the plan")]
-        if sum(1 for key in self.transfers if key[0] == peer) >= self.limits.transfers_per_peer:
+        if self._data_transfers(peer) >= self.limits.transfers_per_peer:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many transfers from this peer")]
         if len(self.transfers) >= self.limits.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
@@ -415,6 +491,8 @@ class Scheduler:
         assert request.span is not None
         first, stop = request.span
         transfer = Transfer(peer, request.xfer, staged, request.credit, address, now, now, first, stop, span=True)
+        if isinstance(staged, Staged):
+            transfer.hashing = self._hashing(request, staged, relays=False)
         self.transfers[transfer.key] = transfer
         return []
 
@@ -422,7 +500,8 @@ class Scheduler:
         code, message = self._refusal_reason(peer, request, staged)
         return None if code is None else Refuse(peer, request.xfer, code, message, parked)
 
-    def _refusal_reason(self, peer: bytes, request: wire.Request, staged: Staged) -> tuple[str | None, str]:
+    def _span_refusal(self, request: wire.Request, staged: Staged) -> tuple[str | None, str]:
+        """Why a fetch (a span fetch: its staging and its span too) of ``staged`` is refused, if it is."""
         if request.step != staged.step:
             return wire.ERR_WRONG_STEP, f"requested step {request.step} but this peer serves step {staged.step}"
         if request.span is not None:
@@ -430,12 +509,22 @@ class Scheduler:
                 return wire.ERR_WRONG_STEP, f"step {staged.step} was staged again since the header was sent"
             if request.span[1] > staged.messages:
                 return wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the {staged.messages} data messages"
+        return None, ""
+
+    def _data_transfers(self, peer: bytes) -> int:
+        """Transfers of ``peer`` that send data (digest requests have a bound of their own)."""
+        return sum(1 for t in self.transfers.values() if t.peer == peer and not t.digests_only)
+
+    def _refusal_reason(self, peer: bytes, request: wire.Request, staged: Staged) -> tuple[str | None, str]:
+        code, message = self._span_refusal(request, staged)
+        if code is not None:
+            return code, message
         if staged.tree.has_pickle and not request.accept_pickle:
             message = f"step {staged.step} holds pickled objects and the receiver does not accept pickle"
             return wire.ERR_PICKLE, message
         # Checked here, not when a request is parked: requests parked while
         # nothing was staged all start at once when a step is staged.
-        if sum(1 for key in self.transfers if key[0] == peer) >= self.limits.transfers_per_peer:
+        if self._data_transfers(peer) >= self.limits.transfers_per_peer:
             return wire.ERR_BUSY, "too many transfers from this peer"
         if len(self.transfers) >= self.limits.transfers:
             return wire.ERR_BUSY, "too many concurrent transfers"
