@@ -15,6 +15,11 @@ again on a live one, and whichever copy of a message lands first counts
 both copies come from the same staging). A stream declared lost gives its
 unfinished spans back to the queue.
 
+A message from a stream that is not trusted (a relay) is *held* when it
+arrives: asked for by nobody else, but not landed until the receive has
+checked it against the source's digest (:mod:`.verify`); then it is
+:meth:`SpanBook.verified`, or :meth:`SpanBook.rejected` and asked for again.
+
 :class:`SpanBook` is pure (explicit ``now``, no zmq); :mod:`.striped`
 carries its decisions out on the sockets.
 """
@@ -42,6 +47,11 @@ QUIET_FIRST = 0.5  # seconds: a stream that has delivered nothing yet
 # upstream at times, and every takeover is an upload the source was spared.
 STANDBY_QUIET = 1.0
 
+# A message's state in SpanBook.landed.
+MISSING = 0
+LANDED = 1
+HELD = 2  # arrived from a stream that is not trusted; waits to be checked
+
 
 @dataclass
 class Span:
@@ -54,6 +64,7 @@ class Span:
     next: int  # the next message this span's stream will deliver
     opened: float  # when it was asked for
     taken_over: bool = False  # another stream was asked for its rest
+    took_from: int | None = None  # the stream whose quiet span this one took over
 
     @property
     def finished(self) -> bool:
@@ -86,8 +97,9 @@ class SpanBook:
             raise ValueError("a span book needs messages >= 0, streams >= 1, span >= 1, depth >= 1")
         self.depth = depth
         self.queue: deque[tuple[int, int]] = deque((at, min(at + span, messages)) for at in range(0, messages, span))
-        self.landed = bytearray(messages)  # 1 once message seq has arrived (its landing under way)
-        self.missing = messages
+        # Per message: MISSING, HELD (arrived, waiting to be checked) or LANDED.
+        self.landed = bytearray(messages)
+        self.missing = messages  # messages not LANDED
         self.spans: dict[int, Span] = {}  # outstanding, by transfer id
         self._streams = [_Stream(standby=index in standby) for index in range(streams)]
         self._prefix = 0
@@ -100,7 +112,7 @@ class SpanBook:
 
     def prefix(self) -> int:
         """How many messages from the first on have all landed."""
-        while self._prefix < len(self.landed) and self.landed[self._prefix]:
+        while self._prefix < len(self.landed) and self.landed[self._prefix] == LANDED:
             self._prefix += 1
         return self._prefix
 
@@ -135,12 +147,15 @@ class SpanBook:
         if victim is None:
             return None
         victim.taken_over = True
-        return self._open(xfer, stream, self._first_missing(victim.next, victim.stop), victim.stop, now)
+        span = self._open(xfer, stream, self._first_missing(victim.next, victim.stop), victim.stop, now)
+        span.took_from = victim.stream
+        return span
 
-    def on_data(self, xfer: int, seq: int, now: float) -> bool | None:
+    def on_data(self, xfer: int, seq: int, now: float, held: bool = False) -> bool | None:
         """A data message arrived. True: land it; False: a duplicate, drop it; None: no such span (cancelled).
 
-        Raises ``ValueError`` for a message out of its span's order.
+        ``held``: it comes from a stream that is not trusted, and counts only
+        once :meth:`verified`. Raises ``ValueError`` for a message out of its span's order.
         """
         span = self.spans.get(xfer)
         if span is None:
@@ -153,11 +168,33 @@ class SpanBook:
             state.gaps += now - state.last_data
             state.messages += 1
         state.last_data = now
-        if self.landed[seq]:
+        if self.landed[seq] != MISSING:
             return False
-        self.landed[seq] = 1
-        self.missing -= 1
+        if held:
+            self.landed[seq] = HELD
+        else:
+            self.landed[seq] = LANDED
+            self.missing -= 1
         return True
+
+    def verified(self, seq: int) -> None:
+        """Held message ``seq`` matched the source's digest: it has landed."""
+        if self.landed[seq] == HELD:
+            self.landed[seq] = LANDED
+            self.missing -= 1
+
+    def rejected(self, seqs: list[int]) -> None:
+        """Held messages not believed (a mismatch, or their stream was dropped): asked for again, first."""
+        runs: list[tuple[int, int]] = []
+        for seq in sorted(seqs):
+            if self.landed[seq] != HELD:
+                continue
+            self.landed[seq] = MISSING
+            if runs and runs[-1][1] == seq:
+                runs[-1] = (runs[-1][0], seq + 1)
+            else:
+                runs.append((seq, seq + 1))
+        self.queue.extendleft(reversed(runs))
 
     def on_end(self, xfer: int) -> list[Span]:
         """A span's ``end`` arrived. Returns the spans now pointless (their messages all landed): cancel them."""
@@ -190,7 +227,7 @@ class SpanBook:
         gone = self.outstanding(stream)
         for span in gone:
             del self.spans[span.xfer]
-            if not span.finished:
+            if not span.finished and not span.taken_over:  # a taken-over span's rest is asked elsewhere
                 self.queue.appendleft((span.next, span.stop))
         return gone
 
@@ -224,7 +261,7 @@ class SpanBook:
         return span
 
     def _first_missing(self, first: int, stop: int) -> int:
-        while first < stop and self.landed[first]:
+        while first < stop and self.landed[first] != MISSING:
             first += 1
         return first
 
