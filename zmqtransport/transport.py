@@ -27,7 +27,7 @@ import zmq
 from . import security, sockets, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device
-from .fetch import FetchOptions, ProgressCallback, RelayOffer, fetch, fetch_header
+from .fetch import FetchOptions, ProgressCallback, Published, RelayOffer, fetch, fetch_digests, fetch_header
 from .fetch.connection import Configure
 from .fetch.options import VERIFY_CHOICES
 from .gcpause import paused_gc
@@ -380,6 +380,17 @@ class ZMQTransport(CheckpointTransport[T]):
         address = parse_metadata(metadata)
         options, peer_options = self._fetch_options, self._peer_options(address)
         return fetch_header(self._context, address, step, timeout.total_seconds(), options, peer_options)
+
+    def fetch_digests(self, metadata: str, step: int, timeout: timedelta) -> Published:
+        """The header of ``step`` and the source's digest of every data message (docs/protocol.md, "Digests").
+
+        No tensor data moves; the source hashes what it has not hashed yet.
+        Raises ``ProtocolError`` for a source that publishes no digests.
+        """
+        self._check_open()
+        address = parse_metadata(metadata)
+        options, peer_options = self._fetch_options, self._peer_options(address)
+        return fetch_digests(self._context, address, step, timeout.total_seconds(), options, peer_options)
 
     def _peer_options(self, address: PeerAddress) -> Configure | None:
         """DEALER options for fetching from one peer: CURVE needs that peer's server key.
