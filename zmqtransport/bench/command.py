@@ -15,6 +15,7 @@ from .config import (
     LOOPBACK_PRESETS,
     PRESETS,
     RELAY_PRESETS,
+    ROGUE_PRESETS,
     Knobs,
     LabSpec,
     Scenario,
@@ -89,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scenario",
         action="append",
-        choices=[*PRESETS, "all", "lab", "relay"],
-        help="a preset (repeatable; 'all': every loopback preset; 'lab': every lab preset; 'relay': issue 13's "
+        choices=[*PRESETS, "all", "lab", "relay", "rogue"],
+        help="a preset (repeatable; 'all': every loopback preset; 'lab': every lab preset; 'rogue': issue 21's "
+        "rogue relays beside a clean fan-out; 'relay': issue 13's "
         "lab rows and the one-receiver row they compare with); sizes below override it",
     )
     parser.add_argument("--lab", action="store_true", help="run the lab presets (same as --scenario lab)")
@@ -112,7 +114,7 @@ def available_requirements() -> frozenset[str]:
 
 def _chosen_presets(args: argparse.Namespace) -> list[str]:
     names: list[str] = []
-    groups = {"all": LOOPBACK_PRESETS, "lab": LAB_PRESETS, "relay": RELAY_PRESETS}
+    groups = {"all": LOOPBACK_PRESETS, "lab": LAB_PRESETS, "relay": RELAY_PRESETS, "rogue": ROGUE_PRESETS}
     for name in args.scenario or []:
         names += list(groups.get(name, [name]))
     if args.lab:

@@ -37,6 +37,19 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class Rogue:
+    """A receiver whose relaying is modified (issue 21: a rogue relay; modes in :mod:`.rogue`).
+
+    Receiver ``rank`` starts ``lead_s`` before the others, so it heads the
+    source's relay chain; its own receive is not counted.
+    """
+
+    mode: str = "flip"
+    rank: int = 1
+    lead_s: float = 0.2
+
+
+@dataclass(frozen=True)
 class Scenario:
     """One benchmark configuration: what moves, to how many receivers, and how."""
 
@@ -57,6 +70,7 @@ class Scenario:
     warm: bool = False
     lab: LabSpec | None = None
     kill: Kill | None = None
+    rogue: Rogue | None = None
 
     @property
     def tensor_sizes(self) -> list[int]:
@@ -153,12 +167,20 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-kill"] = Scenario(
         "lab-kill", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(), kill=Kill()
     )
+    # Issue 21: a rogue relay at the head of the chain, and an honest one that shuts down mid-transfer.
+    for mode in ("flip", "error", "silent", "shutdown"):
+        rows[f"lab-rogue-{mode}"] = Scenario(
+            f"lab-rogue-{mode}", 64 * mib, 4 * mib, receivers=3, methods=("zmq-fresh",), reps=3, lab=LabSpec(),
+            rogue=Rogue(mode),
+        )  # fmt: skip
     return rows
 
 
 PRESETS = _with_relay_rows(_presets())
 # Issue 13's rows and the one-receiver time they are compared with: ``--scenario relay``.
 RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill")
+# Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
+ROGUE_PRESETS = ("lab-1to1", "lab-1to3", "lab-rogue-flip", "lab-rogue-error", "lab-rogue-silent", "lab-rogue-shutdown")
 LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)
 LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None)
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from ..lab import Lab
 from .children import receiver_main, sender_main
-from .config import Kill, Knobs, Scenario
+from .config import Kill, Knobs, Rogue, Scenario
 from .methods import METHODS, CutMethod, Place
 
 
@@ -106,27 +106,32 @@ class _Child:
 
 
 def _go(
-    receivers: Sequence[_Child], timeout: float, step: int, receives: int, kill: Kill | None
+    receivers: Sequence[_Child], timeout: float, step: int, receives: int, lead: Kill | Rogue | None
 ) -> list[list[Any] | None]:
-    """Start every receive and collect the outcomes; None for a receiver that was killed as planned.
+    """Start every receive and collect the outcomes; None for a receiver not counted (killed as planned, a rogue).
 
-    With a :class:`Kill`, its victim starts ``lead_s`` before the others (first
-    in the source's relay chain) and must die of SIGKILL, or finish first.
+    With a :class:`Kill` or a :class:`Rogue`, its receiver starts ``lead_s``
+    before the others (first in the source's relay chain). A Kill's victim must
+    die of SIGKILL, or finish first; a rogue's own outcome does not matter.
     """
-    if kill is None:
+    if lead is None:
         return list(_gather(receivers, timeout, "go", step, receives))
-    victim = receivers[kill.rank - 1]
-    victim.send("go", step, receives)
-    time.sleep(kill.lead_s)
-    others = [child for child in receivers if child is not victim]
+    leader = receivers[lead.rank - 1]
+    leader.send("go", step, receives)
+    time.sleep(lead.lead_s)
+    others = [child for child in receivers if child is not leader]
     for child in others:
         child.send("go", step, receives)
     replies: list[list[Any] | None] = []
     for child in receivers:
-        if child is victim:
-            replies.append(_victim_reply(victim, timeout))
-        else:
+        if child is not leader:
             replies.append(child.reply(timeout))
+        elif isinstance(lead, Kill):
+            replies.append(_victim_reply(leader, timeout))
+        else:
+            with contextlib.suppress(BenchError):  # a rogue that shut itself down fails its own receive
+                leader.reply(timeout)
+            replies.append(None)
     return replies
 
 
@@ -182,6 +187,7 @@ class Trial:
     duplicates: list[int] = field(default_factory=list)  # per receiver: data messages that came twice (dropped)
     cut_s: float | None = None  # a CutMethod's trial: when the link went down, seconds after the receives began
     killed: list[int] = field(default_factory=list)  # ranks SIGKILLed mid-transfer (scenario.kill); lists skip them
+    rogue: list[int] = field(default_factory=list)  # ranks of rogue relays (scenario.rogue); lists skip them
 
 
 @dataclass
@@ -248,16 +254,18 @@ class _Run:
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
             with self._cut_link(method) as cut:
-                replies = _go(receivers, timeout, step, self.receives, scenario.kill)
+                replies = _go(receivers, timeout, step, self.receives, scenario.kill or scenario.rogue)
             send_rss = self.sender.call(timeout, "finish", method)
             after = self.network.source_sent()
             _gather([r for r, runs in zip(receivers, replies, strict=True) if runs is not None], 30.0, "exit")
         finally:
             for receiver in receivers:
                 receiver.stop()
-        # The survivors, in rank order (a killed receiver has no outcome).
+        # The survivors, in rank order (a killed receiver or a rogue has no outcome).
         outcomes = [runs for runs in replies if runs is not None]
-        killed = [rank for rank, runs in enumerate(replies, start=1) if runs is None]
+        uncounted = [rank for rank, runs in enumerate(replies, start=1) if runs is None]
+        rogue = [scenario.rogue.rank] if scenario.rogue is not None else []
+        killed = [rank for rank in uncounted if rank not in rogue]
         cold = [runs[0] for runs in outcomes]
         self.resettable = self.resettable and all(o["resettable"] for o in cold)
         return Trial(
@@ -275,6 +283,7 @@ class _Run:
             [o["duplicates"] for o in cold],
             cut.at_s,
             killed,
+            rogue,
         )
 
     @contextlib.contextmanager
