@@ -175,7 +175,7 @@ class ReceiverProcess:
                 self.kill_timer_s = kill.at_fraction * _one_link_ideal_s(self.scenario)
         rogue = self.scenario.rogue
         shut_down: list[Any] | None = None  # the rogue's own transport, for its progress callback
-        if rogue is not None and rogue.rank == self.rank and isinstance(chosen, ZmqMethod):
+        if rogue is not None and self.rank == 1 and isinstance(chosen, ZmqMethod):
             become_rogue(rogue.mode)  # this process is the rogue's alone: a fresh receiver per trial
             if rogue.mode == "shutdown":
                 shut_down = []

@@ -14,10 +14,27 @@ DEFAULT_RATE_MBIT = 400.0
 
 @dataclass(frozen=True)
 class LabSpec:
-    """Run a scenario in a network lab: one source host, one host per receiver."""
+    """Run a scenario in a network lab: one source host (0), one host per receiver (receiver rank r on host r).
+
+    ``host_rates``: ``(host, Mbit/s)`` pairs for hosts whose NICs run at
+    another rate than ``rate_mbit`` (mixed links: a slower port, another rack).
+    """
 
     nics: int = 1
     rate_mbit: float = DEFAULT_RATE_MBIT
+    host_rates: tuple[tuple[int, float], ...] = ()
+
+    def rate_of(self, host: int) -> float:
+        """Mbit/s of each of ``host``'s NICs, per direction."""
+        return dict(self.host_rates).get(host, self.rate_mbit)
+
+    def ideal_s(self, total_bytes: int, host: int) -> float:
+        """The time ``total_bytes`` take into ``host`` at its NICs' nominal rate (its own link's ideal)."""
+        return total_bytes / (self.nics * self.rate_of(host) * 1e6 / 8)
+
+    @property
+    def mixed(self) -> bool:
+        return any(rate != self.rate_mbit for _, rate in self.host_rates)
 
 
 @dataclass(frozen=True)
@@ -38,15 +55,13 @@ class Kill:
 
 @dataclass(frozen=True)
 class Rogue:
-    """A receiver whose relaying is modified (issue 21: a rogue relay; modes in :mod:`.rogue`).
+    """Receiver 1's relaying is modified (issue 21: a rogue relay; modes in :mod:`.rogue`).
 
-    Receiver ``rank`` starts ``lead_s`` before the others, so it heads the
-    source's relay chain; its own receive is not counted.
+    With the scenario's ``lead_s`` it asks first, so it heads the source's
+    relay chain; its own receive is not counted.
     """
 
     mode: str = "flip"
-    rank: int = 1
-    lead_s: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,8 @@ class Scenario:
     lab: LabSpec | None = None
     kill: Kill | None = None
     rogue: Rogue | None = None
+    # Receiver 1 asks this many seconds before the others (first in the source's relay chain).
+    lead_s: float = 0.0
 
     @property
     def tensor_sizes(self) -> list[int]:
@@ -167,18 +184,23 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-kill"] = Scenario(
         "lab-kill", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(), kill=Kill()
     )
+    # Issue 22 (mixed links): the first receiver to ask on a link 4x slower than the others'.
+    mixed = LabSpec(host_rates=((1, DEFAULT_RATE_MBIT / 4),))
+    rows["lab-mixed"] = Scenario(
+        "lab-mixed", 32 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=mixed, lead_s=0.2
+    )
     # Issue 21: a rogue relay at the head of the chain, and an honest one that shuts down mid-transfer.
     for mode in ("flip", "error", "silent", "shutdown"):
         rows[f"lab-rogue-{mode}"] = Scenario(
             f"lab-rogue-{mode}", 64 * mib, 4 * mib, receivers=3, methods=("zmq-fresh",), reps=3, lab=LabSpec(),
-            rogue=Rogue(mode),
+            rogue=Rogue(mode), lead_s=0.2,
         )  # fmt: skip
     return rows
 
 
 PRESETS = _with_relay_rows(_presets())
-# Issue 13's rows and the one-receiver time they are compared with: ``--scenario relay``.
-RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill")
+# The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
+RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed")
 # Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
 ROGUE_PRESETS = ("lab-1to1", "lab-1to3", "lab-rogue-flip", "lab-rogue-error", "lab-rogue-silent", "lab-rogue-shutdown")
 LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)

@@ -38,8 +38,11 @@ def become_rogue(mode: str) -> None:
             forged[::997] = bytes(b ^ 0x5A for b in forged[::997])
             return bytes(forged), referenced
 
+        def crc(self: relayed.Relayed, seq: int, payload: Any) -> int:
+            return zlib.crc32(payload)  # a CRC32 that matches the forgery
+
         relayed.Relayed.payload = payload  # type: ignore[method-assign]
-        relayed.Relayed.crc = lambda self, seq, payload: zlib.crc32(payload)  # type: ignore[method-assign]
+        relayed.Relayed.crc = crc  # type: ignore[method-assign]
     elif mode == "error":
 
         def refuse(self: scheduler.Scheduler, peer: bytes, request: wire.Request, address: str, now: float) -> Any:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from ..lab import Lab
 from .children import receiver_main, sender_main
-from .config import Kill, Knobs, Rogue, Scenario
+from .config import Kill, Knobs, Scenario
 from .methods import METHODS, CutMethod, Place
 
 
@@ -69,7 +69,8 @@ def network_for(scenario: Scenario) -> Iterator[Network]:
         yield Loopback()
         return
     spec = scenario.lab
-    with Lab(hosts=scenario.receivers + 1, nics=spec.nics, rate_mbit=spec.rate_mbit) as lab:
+    hosts = scenario.receivers + 1
+    with Lab(hosts=hosts, nics=spec.nics, rate_mbit=spec.rate_mbit, host_rates=dict(spec.host_rates)) as lab:
         yield LabNetwork(lab)
 
 
@@ -106,32 +107,42 @@ class _Child:
 
 
 def _go(
-    receivers: Sequence[_Child], timeout: float, step: int, receives: int, lead: Kill | Rogue | None
+    receivers: Sequence[_Child],
+    timeout: float,
+    step: int,
+    receives: int,
+    kill: Kill | None,
+    lead_s: float = 0.0,
+    rogue: bool = False,
 ) -> list[list[Any] | None]:
     """Start every receive and collect the outcomes; None for a receiver not counted (killed as planned, a rogue).
 
-    With a :class:`Kill` or a :class:`Rogue`, its receiver starts ``lead_s``
-    before the others (first in the source's relay chain). A Kill's victim must
-    die of SIGKILL, or finish first; a rogue's own outcome does not matter.
+    With a :class:`Kill`, its victim starts ``lead_s`` before the others (first
+    in the source's relay chain) and must die of SIGKILL, or finish first.
+    Without one, ``lead_s`` > 0 starts receiver 1 that much before the others.
+    ``rogue``: receiver 1 is a rogue relay (:class:`Rogue`); its own outcome
+    is not counted (it may even fail).
     """
-    if lead is None:
-        return list(_gather(receivers, timeout, "go", step, receives))
-    leader = receivers[lead.rank - 1]
-    leader.send("go", step, receives)
-    time.sleep(lead.lead_s)
-    others = [child for child in receivers if child is not leader]
-    for child in others:
-        child.send("go", step, receives)
+    leader = receivers[kill.rank - 1] if kill is not None else receivers[0] if lead_s > 0 else None
+    if leader is None:
+        for child in receivers:
+            child.send("go", step, receives)
+    else:
+        leader.send("go", step, receives)
+        time.sleep(kill.lead_s if kill is not None else lead_s)
+        for child in receivers:
+            if child is not leader:
+                child.send("go", step, receives)
     replies: list[list[Any] | None] = []
-    for child in receivers:
-        if child is not leader:
-            replies.append(child.reply(timeout))
-        elif isinstance(lead, Kill):
-            replies.append(_victim_reply(leader, timeout))
-        else:
+    for rank, child in enumerate(receivers, start=1):
+        if kill is not None and child is leader:
+            replies.append(_victim_reply(child, timeout))
+        elif rogue and rank == 1:
             with contextlib.suppress(BenchError):  # a rogue that shut itself down fails its own receive
-                leader.reply(timeout)
+                child.reply(timeout)
             replies.append(None)
+        else:
+            replies.append(child.reply(timeout))
     return replies
 
 
@@ -254,7 +265,8 @@ class _Run:
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
             with self._cut_link(method) as cut:
-                replies = _go(receivers, timeout, step, self.receives, scenario.kill or scenario.rogue)
+                has_rogue = scenario.rogue is not None
+                replies = _go(receivers, timeout, step, self.receives, scenario.kill, scenario.lead_s, has_rogue)
             send_rss = self.sender.call(timeout, "finish", method)
             after = self.network.source_sent()
             _gather([r for r, runs in zip(receivers, replies, strict=True) if runs is not None], 30.0, "exit")
@@ -264,7 +276,7 @@ class _Run:
         # The survivors, in rank order (a killed receiver or a rogue has no outcome).
         outcomes = [runs for runs in replies if runs is not None]
         uncounted = [rank for rank, runs in enumerate(replies, start=1) if runs is None]
-        rogue = [scenario.rogue.rank] if scenario.rogue is not None else []
+        rogue = [1] if scenario.rogue is not None else []
         killed = [rank for rank in uncounted if rank not in rogue]
         cold = [runs[0] for runs in outcomes]
         self.resettable = self.resettable and all(o["resettable"] for o in cold)

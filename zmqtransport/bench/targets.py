@@ -1,11 +1,11 @@
-"""The performance targets of issues 4, 12, 13, 16 and 21, checked wherever a run measured what they need."""
+"""The performance targets of issues 4, 12, 13, 16, 21 and 22, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .relayreport import RELAYING, relay_rows
+from .relayreport import RELAYING, link_rows, relay_rows
 from .runner import ScenarioResult
 
 
@@ -24,13 +24,14 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issues 4, 12, 13, 16 and 21, wherever the run measured what they need."""
+    """The performance targets of issues 4, 12, 13, 16, 21 and 22, wherever the run measured what they need."""
     return (
         _issue4_targets(results)
         + _issue12_targets(results)
         + _issue13_targets(results)
         + _issue16_targets(results)
         + _issue21_targets(results)
+        + _issue22_targets(results)
     )
 
 
@@ -115,6 +116,26 @@ def _issue21_targets(results: Sequence[ScenarioResult]) -> list[Target]:
             text = f"{method} slowest honest / clean fan-out slowest (rogue relay: {scenario.rogue.mode})"
             measured = entry.slowest_s / reference.slowest_s
             targets.append(Target(scenario.name, text, measured, _ROGUE_OVER_CLEAN, False, 21))
+    return targets
+
+
+# Issue 22 (mixed links): most seconds over a receiver's own link's ideal; most source upload over the state.
+_OWN_IDEAL_LIMIT = 1.3
+_MIXED_UPLOAD_LIMIT = 2.0
+
+
+def _issue22_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Every relaying receiver on unequal links against its own link's ideal (relayreport.link_rows)."""
+    targets: list[Target] = []
+    uploads: dict[tuple[str, str], float] = {}
+    for row in link_rows(results):
+        if row.method not in RELAYING:
+            continue
+        text = f"{row.method} r{row.rank} ({row.rate_mbit:g} Mbit/s) seconds / its own link's ideal"
+        targets.append(Target(row.scenario, text, row.times_ideal, _OWN_IDEAL_LIMIT, False, 22))
+        uploads[(row.scenario, row.method)] = row.sent_over_state
+    for (scenario, method), sent in uploads.items():
+        targets.append(Target(scenario, f"{method} source upload / state", sent, _MIXED_UPLOAD_LIMIT, False, 22))
     return targets
 
 
