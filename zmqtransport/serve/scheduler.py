@@ -33,8 +33,9 @@ class Limits:
     transfers_per_peer: int = 4
     transfers: int = 64
     parked: int = 256
-    # Digest requests (small, answered within a few rounds) have a bound of their own.
+    # Digest requests (small, answered within a few rounds) have bounds of their own.
     digests_per_peer: int = 16
+    digests: int = 256
     # After a forced rebind, how long a parked request whose receiver has not
     # reconnected yet is kept for another try (DEALERs reconnect every 100 ms).
     rebind_grace: float = 5.0
@@ -451,6 +452,8 @@ class Scheduler:
         own = sum(1 for t in self.transfers.values() if t.peer == peer and t.digests_only)
         if code is None and own >= self.limits.digests_per_peer:
             code, message = wire.ERR_BUSY, "too many digest requests from this peer"
+        if code is None and len(self.transfers) - self._data_transfers() >= self.limits.digests:
+            code, message = wire.ERR_BUSY, "too many digest requests"
         if code is not None:
             return [Refuse(peer, request.xfer, code, message)]
         assert algorithm is not None
@@ -478,7 +481,7 @@ class Scheduler:
             return [Refuse(peer, request.xfer, wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the plan")]
         if self._data_transfers(peer) >= self.limits.transfers_per_peer:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many transfers from this peer")]
-        if len(self.transfers) >= self.limits.transfers:
+        if self._data_transfers() >= self.limits.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
         relayed.served = True
         relayed.peers.add(peer)
@@ -511,9 +514,9 @@ class Scheduler:
                 return wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the {staged.messages} data messages"
         return None, ""
 
-    def _data_transfers(self, peer: bytes) -> int:
-        """Transfers of ``peer`` that send data (digest requests have a bound of their own)."""
-        return sum(1 for t in self.transfers.values() if t.peer == peer and not t.digests_only)
+    def _data_transfers(self, peer: bytes | None = None) -> int:
+        """Transfers (of ``peer``, or all) that send data: digest requests have bounds of their own."""
+        return sum(1 for t in self.transfers.values() if not t.digests_only and peer in (None, t.peer))
 
     def _refusal_reason(self, peer: bytes, request: wire.Request, staged: Staged) -> tuple[str | None, str]:
         code, message = self._span_refusal(request, staged)
@@ -526,7 +529,7 @@ class Scheduler:
         # nothing was staged all start at once when a step is staged.
         if self._data_transfers(peer) >= self.limits.transfers_per_peer:
             return wire.ERR_BUSY, "too many transfers from this peer"
-        if len(self.transfers) >= self.limits.transfers:
+        if self._data_transfers() >= self.limits.transfers:
             return wire.ERR_BUSY, "too many concurrent transfers"
         return None, ""
 
