@@ -126,6 +126,21 @@ def test_a_held_message_is_not_asked_for_twice_while_it_is_checked() -> None:
     assert book.complete
 
 
+def test_a_relay_that_sends_nothing_is_taken_over_after_the_first_quiet_bound_and_then_found_idle() -> None:
+    # Stream 0 a relay (primary), stream 1 the source standing by.
+    book = SpanBook(8, streams=2, span=2, standby=frozenset({1}))
+    book.connected(0, True)
+    book.connected(1, True)
+    held = [book.assign(0, xfer, 0.0) for xfer in (1, 2)]
+    assert all(span is not None for span in held)
+    assert book.assign(1, 3, 0.4) is None  # the source stands by
+    takeover = book.assign(1, 3, 0.5)  # nothing from the relay yet: QUIET_FIRST, not STANDBY_QUIET
+    assert takeover is not None and (takeover.first, takeover.stop) == (0, 2)
+    assert held[0] is not None and book.idle_since_taken_over(held[0])
+    book.on_data(2, 2, 0.6, held=True)  # the relay sends something after all: not idle
+    assert not book.idle_since_taken_over(held[0])
+
+
 # ----------------------------------------------------------------------------- the wire
 
 

@@ -45,6 +45,10 @@ QUIET_FIRST = 0.5  # seconds: a stream that has delivered nothing yet
 # A standby stream (the source, while relays serve this receive) takes over a
 # primary's span only after this much silence: a relay waits for its own
 # upstream at times, and every takeover is an upload the source was spared.
+# A relay that has delivered nothing yet is waited for QUIET_FIRST only: its
+# upstream's first message takes one message time on its link (21 ms for
+# 1 MiB at 400 Mbit/s), and a relay that never sends costs its downstream
+# this wait before the source steps in (docs/protocol.md, "Relays").
 STANDBY_QUIET = 1.0
 
 # A message's state in SpanBook.landed.
@@ -63,8 +67,11 @@ class Span:
     stop: int
     next: int  # the next message this span's stream will deliver
     opened: float  # when it was asked for
-    taken_over: bool = False  # another stream was asked for its rest
-    took_from: int | None = None  # the stream whose quiet span this one took over
+    taken_at: float | None = None  # when another stream was asked for its rest (None: never)
+
+    @property
+    def taken_over(self) -> bool:
+        return self.taken_at is not None
 
     @property
     def finished(self) -> bool:
@@ -146,10 +153,8 @@ class SpanBook:
         victim = self._quiet_span(stream, now, STANDBY_QUIET if standing_by else 0.0)
         if victim is None:
             return None
-        victim.taken_over = True
-        span = self._open(xfer, stream, self._first_missing(victim.next, victim.stop), victim.stop, now)
-        span.took_from = victim.stream
-        return span
+        victim.taken_at = now
+        return self._open(xfer, stream, self._first_missing(victim.next, victim.stop), victim.stop, now)
 
     def on_data(self, xfer: int, seq: int, now: float, held: bool = False) -> bool | None:
         """A data message arrived. True: land it; False: a duplicate, drop it; None: no such span (cancelled).
@@ -240,6 +245,11 @@ class SpanBook:
             return QUIET_FIRST
         return max(QUIET_MIN, QUIET_GAPS * state.gaps / state.messages)
 
+    def idle_since_taken_over(self, span: Span) -> bool:
+        """Whether ``span`` was taken over and its stream has delivered nothing since: it did none of its work."""
+        last = self._streams[span.stream].last_data
+        return span.taken_at is not None and (last is None or last < span.taken_at)
+
     def silent_since(self, span: Span) -> float:
         """Since when ``span``'s stream has delivered nothing (counted from when the span was asked for)."""
         last = self._streams[span.stream].last_data
@@ -265,6 +275,12 @@ class SpanBook:
             first += 1
         return first
 
+    def _takeover_bound(self, stream: int, at_least: float) -> float:
+        """The silence after which ``stream``'s spans are taken over (``at_least``: a standby's bound)."""
+        if self._streams[stream].last_data is None:
+            at_least = min(at_least, QUIET_FIRST)
+        return max(at_least, self.quiet_after(stream))
+
     def _quiet_span(self, stream: int, now: float, at_least: float) -> Span | None:
         """The unfinished span of another stream that has been quiet longest, if any is quiet enough."""
         best: Span | None = None
@@ -275,6 +291,6 @@ class SpanBook:
             if self._first_missing(span.next, span.stop) >= span.stop:
                 continue
             silence = now - self.silent_since(span)
-            if silence >= max(at_least, self.quiet_after(span.stream)) and silence > best_silence:
+            if silence >= self._takeover_bound(span.stream, at_least) and silence > best_silence:
                 best, best_silence = span, silence
         return best

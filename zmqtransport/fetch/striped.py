@@ -38,7 +38,7 @@ from .checking import DigestTerms, RelayCheck
 from .connection import Connection
 from .inbox import Inbox
 from .replies import discard_rest, next_reply, refusal
-from .spans import SPAN_BYTES, STANDBY_QUIET, Span, SpanBook
+from .spans import SPAN_BYTES, Span, SpanBook
 from .verify import Verdict
 
 logger = logging.getLogger("zmqtransport.fetch")
@@ -194,8 +194,6 @@ class StripedReceive:
             inline = terms.inline and stream.token is None and terms.algorithm is not None
             verify = [terms.algorithm.name] if inline and terms.algorithm is not None else []
             while (span := self.book.assign(index, random.getrandbits(63), now)) is not None:
-                if span.took_from is not None:
-                    self._quiet_relay(span.took_from)
                 wait_ms = max(0, int((terms.deadline - now) * 1000))
                 fetch = wire.fetch_request(
                     span.xfer,
@@ -215,16 +213,22 @@ class StripedReceive:
                     self._drop(index, stream, "its connection takes no requests")
                     break
 
-    def _quiet_relay(self, index: int) -> None:
-        """The source took over a quiet span of stream ``index``: a relay is dropped then, not waited for again.
+    def _idle_relays(self, done: list[Span]) -> None:
+        """Spans whose rest landed from others: a relay that sent nothing since they were taken over is dropped.
 
-        So a relay that holds spans and sends nothing costs its downstream
-        one quiet bound (:data:`~.spans.STANDBY_QUIET`), not one per span.
+        It held them through a quiet bound (:data:`~.spans.STANDBY_QUIET`, or
+        :data:`~.spans.QUIET_FIRST` before its first message) and
+        then while another stream served them: dropped now, it is not given
+        new spans to hold, so a relay that serves nothing costs its downstream
+        one quiet bound, not one per span. One that was only waiting for its
+        own upstream has sent something by then (its upstream's pace is the
+        downstream's), and is kept.
         """
-        stream = self.streams[index]
-        if stream.token is not None and not stream.gone:
-            quiet = max(STANDBY_QUIET, self.book.quiet_after(index))
-            self._drop(index, stream, f"sent nothing for {quiet:.2g} s while the source stood by")
+        for span in done:
+            stream = self.streams[span.stream]
+            if stream.token is not None and not stream.gone and self.book.idle_since_taken_over(span):
+                why = "sent nothing for a quiet bound, nor while the source served its spans"
+                self._drop(span.stream, stream, why)
 
     def _check_bounds(self, now: float) -> None:
         if self.check is not None and all(s.gone for s in self.streams if s.token is None):
@@ -274,18 +278,20 @@ class StripedReceive:
                 return
             assert xfer is not None  # wire.decode_reply: only an error may lack an id
             try:
-                self._cancel(self.book.on_end(xfer))
+                done = self.book.on_end(xfer)
             except ValueError as exc:
                 raise ProtocolError(f"{who}: {exc}") from None
+            self._idle_relays(done)
+            self._cancel(done)
         elif reply.op == wire.OP_ERROR:
             discard_rest(stream.socket)
             if xfer in self.cancelled:
                 return
             if stream.token is not None:
                 # A relay is a helper: whatever it refuses, the source or another relay serves.
-                done = reply.code == wire.ERR_NOT_RELAYING  # it stopped relaying: routine
+                stopped = reply.code == wire.ERR_NOT_RELAYING  # it stopped relaying: routine
                 why = f"error reply [{reply.code}] {reply.text}"
-                self._drop(index, stream, why, logging.INFO if done else None, believed=done)
+                self._drop(index, stream, why, logging.INFO if stopped else None, believed=stopped)
                 return
             if self.check is not None and self.check.asked(xfer):
                 assert xfer is not None

@@ -51,6 +51,14 @@ class Chain:
             return wire.RelayOrder(token)
         return wire.RelayOrder(token, upstream.at, upstream.token)
 
+    def offer(self, peer: bytes, offer: str, address: str, token: bytes, follows: bool) -> wire.RelayOrder | None:
+        """A receiver at ``address`` offered to relay at ``offer``: joined under the paths on its own host.
+
+        None: no path of the offer is on that host (:func:`believable_offer`); it is served directly.
+        """
+        at = believable_offer(offer, address)
+        return None if at is None else self.join(peer, at, token, follows)
+
     def left(self, peer: bytes) -> None:
         """The header connection of ``peer`` closed: it no longer relays (its receive ended)."""
         self.members = [member for member in self.members if member.peer != peer]
