@@ -68,6 +68,35 @@ def span_messages(chunk_bytes: int) -> int:
     return max(1, min(wire.MAX_CREDIT, math.ceil(SPAN_BYTES / chunk_bytes)))
 
 
+def span_request(span: Span, terms: SpanTerms, token: bytes | None, now: float) -> bytes:
+    """The span fetch for ``span``: to a relay with its ``token``; to the source, with digests if verify="all"."""
+    inline = terms.inline and token is None and terms.algorithm is not None
+    verify = [terms.algorithm.name] if inline and terms.algorithm is not None else []
+    wait_ms = max(0, int((terms.deadline - now) * 1000))
+    return wire.fetch_request(
+        span.xfer,
+        terms.step,
+        wait_ms,
+        span.stop - span.first,
+        terms.accept_pickle,
+        span=(span.first, span.stop),
+        stage=terms.stage,
+        token=token,
+        verify=verify,
+        inline=inline,
+    )
+
+
+def log_drop(stream: Connection, step: int, why: str, level: int | None) -> None:
+    """A stream no longer used: a relay at WARNING by default (it failed its downstream), the source at INFO."""
+    if stream.token is not None:
+        message = "dropping the relay at %s for this receive of step %d: %s; its spans go to the source"
+        logger.log(logging.WARNING if level is None else level, message, stream.endpoint, step, why)
+    else:
+        message = "striped receive of step %d: dropping %s (%s)"
+        logger.log(logging.INFO if level is None else level, message, step, stream.endpoint, why)
+
+
 class StripedReceive:
     """Receives every data message of ``inbox``'s plan over ``streams``; the calling thread owns them all.
 
@@ -84,8 +113,7 @@ class StripedReceive:
         self.book = SpanBook(self.messages, len(self.streams), span, standby=standby)
         self.check: RelayCheck | None = None
         if any(stream.token is not None for stream in self.streams):
-            # The receive uses relays only when the source publishes digests.
-            assert terms.algorithm is not None
+            assert terms.algorithm is not None  # a receive uses relays only when the source publishes digests
             digest_terms = DigestTerms(terms.step, terms.stage, terms.algorithm, terms.deadline)
             self.check = RelayCheck(self.streams, self.messages, digest_terms)
         self.started = time.monotonic()
@@ -163,17 +191,7 @@ class StripedReceive:
         digest are checked when it comes (it failed, it did not lie);
         otherwise they are fetched again.
         """
-        if stream.token is not None:
-            logger.log(
-                logging.WARNING if level is None else level,
-                "dropping the relay at %s for this receive of step %d: %s; its spans go to the source",
-                stream.endpoint,
-                self.terms.step,
-                why,
-            )
-        else:
-            level = logging.INFO if level is None else level
-            logger.log(level, "striped receive of step %d: dropping %s (%s)", self.terms.step, stream.endpoint, why)
+        log_drop(stream, self.terms.step, why, level)
         stream.gone = why
         self.book.lost(index)
         if self.check is not None:
@@ -187,28 +205,12 @@ class StripedReceive:
         stream.close()
 
     def _ask(self, now: float) -> None:
-        terms = self.terms
         for index, stream in enumerate(self.streams):
             if stream.gone:
                 continue
-            inline = terms.inline and stream.token is None and terms.algorithm is not None
-            verify = [terms.algorithm.name] if inline and terms.algorithm is not None else []
             while (span := self.book.assign(index, random.getrandbits(63), now)) is not None:
-                wait_ms = max(0, int((terms.deadline - now) * 1000))
-                fetch = wire.fetch_request(
-                    span.xfer,
-                    terms.step,
-                    wait_ms,
-                    span.stop - span.first,
-                    terms.accept_pickle,
-                    span=(span.first, span.stop),
-                    stage=terms.stage,
-                    token=stream.token,
-                    verify=verify,
-                    inline=inline,
-                )
                 try:
-                    stream.socket.send(fetch, zmq.NOBLOCK)
+                    stream.socket.send(span_request(span, self.terms, stream.token, now), zmq.NOBLOCK)
                 except zmq.Again:
                     self._drop(index, stream, "its connection takes no requests")
                     break
