@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from typing import Any
 
 import pytest
 import torch
 
 from zmqtransport import ZMQTransport, digests, relayed, wire
+from zmqtransport.bench.rogue import become_rogue
 from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.errors import IntegrityError, ProtocolError
 from zmqtransport.fetch.spans import DEPTH, HELD, LANDED, MISSING, SpanBook
@@ -312,17 +312,10 @@ def slow(per_message: float) -> Any:
 
 
 def forging(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Relays flip bytes of what they forward and send a CRC32 that matches the forgery."""
-    honest = relayed.Relayed.payload
-
-    def payload(self: relayed.Relayed, seq: int) -> tuple[bytes, bool]:
-        data, referenced = honest(self, seq)
-        forged = bytearray(data)
-        forged[::1021] = bytes(b ^ 0x5A for b in forged[::1021])
-        return bytes(forged), referenced
-
-    monkeypatch.setattr(relayed.Relayed, "payload", payload)
-    monkeypatch.setattr(relayed.Relayed, "crc", lambda self, seq, payload: zlib.crc32(payload))
+    """Relays flip bytes of what they forward and send a CRC32 that matches the forgery (the benchmark's rogue)."""
+    monkeypatch.setattr(relayed.Relayed, "payload", relayed.Relayed.payload)  # restored after the test
+    monkeypatch.setattr(relayed.Relayed, "crc", relayed.Relayed.crc)
+    become_rogue("flip")
 
 
 def refusing(code: str) -> Any:
