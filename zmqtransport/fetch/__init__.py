@@ -14,9 +14,9 @@
         inbox.Inbox         each data message received into place, checked, then counted
         striped.StripedReceive  spans over several connections (data phase)
           spans.SpanBook    pure: which span each connection asks for, takeovers, re-queues
+          checking.RelayCheck  what relays send, checked against the source's digests
+            verify.DigestBook  pure: digests published, asked, and messages waiting for theirs
         relaying.RelayDuty  serving what has landed onward (through this transport's server)
-        checking.RelayCheck  relayed messages checked against the source's digests
-          verify.DigestBook  pure: digests published, asked, and messages waiting for theirs
       published.fetch_digests  every digest a source publishes for a step (inspect --digests)
 
 It imports nothing from :mod:`zmqtransport.serve`: what both sides share (the
