@@ -28,6 +28,7 @@ import torch
 from ..transport import ZMQTransport
 from .barezmq import BareServer, bare_receive
 from .config import Knobs
+from .layouts import Layout
 from .payload import empty_float32, recv_views, send_views, views_of
 
 TORCHFT = "torchft"
@@ -53,7 +54,7 @@ class SendEnv:
     """What the sender process offers every method's serving side."""
 
     tensors: list[Any]
-    state: dict[str, Any]
+    state: dict[Any, Any]  # the tensors in their layout's state dict
     knobs: Knobs
     place: Place
     receivers: int
@@ -71,7 +72,7 @@ class SendEnv:
 class RecvEnv:
     """What a fresh receiver process offers: sizes, its own touched targets, where the sender is."""
 
-    sizes: list[int]
+    layout: Layout
     targets: list[Any]  # empty unless the method receives into existing tensors
     knobs: Knobs
     place: Place
@@ -87,8 +88,12 @@ class RecvEnv:
         self.target_views = views_of(self.targets)
 
     @property
-    def target_state(self) -> dict[str, Any]:
-        return {f"layer{index:06d}.weight": tensor for index, tensor in enumerate(self.targets)}
+    def sizes(self) -> list[int]:
+        return self.layout.sizes
+
+    @property
+    def target_state(self) -> dict[Any, Any]:
+        return self.layout.state(self.targets)
 
     @property
     def timeout(self) -> timedelta:
@@ -317,7 +322,7 @@ class _TransportReceiving:
 
     def receive(self, step: int) -> list[Any]:
         result = self.transport.recv_checkpoint(0, self.env.metadata, step, self.env.timeout)
-        return list(result.values())
+        return self.env.layout.tensors_in(result)
 
     def stats(self) -> dict[str, Any]:
         """ZMQTransport's receive stats: bytes per path, connections, duplicates dropped."""
@@ -508,8 +513,8 @@ class PgMethod:
 
     def receiver(self, env: RecvEnv) -> Receiving:
         group = _process_group(env.metadata, env.step, env.rank, env.world, env.timeout)
-        state = env.target_state
-        transport = _pg_transport(group, env.timeout, (lambda: state) if self.into_targets else None)
+        state = env.target_state if self.into_targets else None  # a fresh receive has no targets to lay out
+        transport = _pg_transport(group, env.timeout, (lambda: state) if state is not None else None)
         return _TransportReceiving(env, transport)
 
 
