@@ -645,25 +645,32 @@ def test_swarm_names_every_member_so_far_to_each_newcomer(net: Net) -> None:
     net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
     net.execute(net.scheduler.stage(staged(), net.now))
     orders = []
+    # Each offers to relay at its own address, and verifies what peers send (it offers an algorithm).
+    hosts = {b"a": "10.0.0.1", b"b": "10.0.0.2", b"c": "10.0.0.3", b"d": "10.0.0.4", b"e": "10.0.0.5"}
+
+    def offer(peer: bytes, xfer: int = 1, verify: tuple[str, ...] = ("sha256",)) -> list[Action]:
+        request = fetch(xfer=xfer, relay=f"tcp://{hosts[peer]}:1", verify=verify)
+        return net.scheduler.on_request(peer, request, hosts[peer], net.now)
+
     for peer in (b"a", b"b", b"c"):
-        actions = net.scheduler.on_request(peer, fetch(relay=f"tcp://{peer.decode()}:1"), "addr", net.now)
-        header = actions[0]
+        header = offer(peer)[0]
         assert isinstance(header, SendHeader)
         orders.append(header.relay)
         # A receiver of an earlier release that asks for everything is sent the
         # header alone once there is a member to fetch from.
         assert header.header_only == (peer != b"a")
-    assert [o.peers for o in orders] == [(), (("tcp://a:1", orders[0].token),), (
-        ("tcp://a:1", orders[0].token), ("tcp://b:1", orders[1].token))]
+    a, b = ("tcp://10.0.0.1:1", orders[0].token), ("tcp://10.0.0.2:1", orders[1].token)
+    assert [o.peers for o in orders] == [(), (a,), (a, b)]
     # The newest member also comes as `from`, for receivers that know only a chain.
-    assert [o.upstream for o in orders] == [None, "tcp://a:1", "tcp://b:1"]
+    assert [o.upstream for o in orders] == [None, "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"]
     assert orders[2].upstream_token == orders[1].token
     net.scheduler.disconnected(b"c")  # c's receive ended: it is no member any more
-    actions = net.scheduler.on_request(b"d", fetch(xfer=5, relay="tcp://d:1"), "addr", net.now)
-    assert [at for at, _ in actions[0].relay.peers] == ["tcp://a:1", "tcp://b:1"]
+    assert [at for at, _ in offer(b"d", xfer=5)[0].relay.peers] == ["tcp://10.0.0.1:1", "tcp://10.0.0.2:1"]
+    # One that does not verify is a member others may fetch from, but is named none.
+    assert offer(b"e", xfer=7, verify=())[0].relay.peers == ()
     net.execute(net.scheduler.stage(staged(), net.now))  # a new staging: a new swarm
-    actions = net.scheduler.on_request(b"e", fetch(xfer=6, relay="tcp://e:1"), "addr", net.now)
-    assert actions[0].relay.peers == () and actions[0].relay.upstream is None
+    fresh = offer(b"e", xfer=6)[0].relay
+    assert fresh.peers == () and fresh.upstream is None
 
 
 def test_a_member_asking_the_source_learns_the_others_and_a_peer_says_what_it_holds(net: Net) -> None:
@@ -671,19 +678,20 @@ def test_a_member_asking_the_source_learns_the_others_and_a_peer_says_what_it_ho
     net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
     the_staged = staged()
     net.execute(net.scheduler.stage(the_staged, net.now))
-    for peer in (b"a", b"b"):
-        net.scheduler.on_request(peer, fetch(relay=f"tcp://{peer.decode()}:1", header_only=True), "addr", net.now)
+    for peer, host in ((b"a", "10.0.0.1"), (b"b", "10.0.0.2")):
+        request = fetch(relay=f"tcp://{host}:1", header_only=True, verify=("sha256",))
+        net.scheduler.on_request(peer, request, host, net.now)
     a_token = bytes([1]) * 16
     ask = wire.Request(wire.OP_HAVE, 9, stage=the_staged.stage_id, token=a_token)
-    (answer,) = net.scheduler.on_request(b"a2", ask, "addr", net.now)
-    assert isinstance(answer, Have) and answer.bits is None and answer.peers == (("tcp://b:1", bytes([2]) * 16),)
+    (answer,) = net.scheduler.on_request(b"a2", ask, "10.0.0.1", net.now)
+    assert isinstance(answer, Have) and answer.bits is None and answer.peers == (("tcp://10.0.0.2:1", bytes([2]) * 16),)
     # As a member itself (a step it relays), this side answers with what has landed and what is coming.
     relay = relayed()
     net.execute(net.scheduler.relay(relay, net.now))
     relay.landed_one(2, None)
     relay.coming = 0b1000
-    (answer,) = net.scheduler.on_request(b"x", wire.Request(wire.OP_HAVE, 3, stage=relay.stage_id, token=relay.token),
-                                         "addr", net.now)
+    ask = wire.Request(wire.OP_HAVE, 3, stage=relay.stage_id, token=relay.token)
+    (answer,) = net.scheduler.on_request(b"x", ask, "addr", net.now)
     assert isinstance(answer, Have) and (answer.bits, answer.coming, answer.peers) == (0b100, 0b1000, ())
     # Anything else: it serves nothing of that staging.
     (answer,) = net.scheduler.on_request(b"x", wire.Request(wire.OP_HAVE, 4, stage=12345), "addr", net.now)
@@ -693,8 +701,10 @@ def test_a_member_asking_the_source_learns_the_others_and_a_peer_says_what_it_ho
 def test_receivers_on_the_sources_own_host_join_no_swarm(net: Net) -> None:
     net.scheduler = Scheduler(TIMEOUT, is_local=lambda address: address == "10.1.2.3")
     net.execute(net.scheduler.stage(staged(), net.now))
-    (local,) = net.scheduler.on_request(b"a", fetch(relay="tcp://10.1.2.3:1", header_only=True), "10.1.2.3", net.now)
-    (remote,) = net.scheduler.on_request(b"b", fetch(relay="tcp://10.9.9.9:1", header_only=True), "10.9.9.9", net.now)
+    request = fetch(relay="tcp://10.1.2.3:1", header_only=True, verify=("sha256",))
+    (local,) = net.scheduler.on_request(b"a", request, "10.1.2.3", net.now)
+    request = fetch(relay="tcp://10.9.9.9:1", header_only=True, verify=("sha256",))
+    (remote,) = net.scheduler.on_request(b"b", request, "10.9.9.9", net.now)
     assert isinstance(local, SendHeader) and local.relay is None
     assert isinstance(remote, SendHeader) and remote.relay is not None
     assert [member.at for member in net.scheduler.swarm.members] == ["tcp://10.9.9.9:1"]

@@ -27,8 +27,9 @@ import zmq
 from . import security, sockets, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device
-from .fetch import FetchOptions, ProgressCallback, RelayOffer, fetch, fetch_header
+from .fetch import FetchOptions, ProgressCallback, Published, RelayOffer, fetch, fetch_digests, fetch_header
 from .fetch.connection import Configure
+from .fetch.options import VERIFY_CHOICES
 from .gcpause import paused_gc
 from .net import PeerAddress, advertised_hosts, parse_metadata, paths_with_ports, split_hosts
 from .serve import Server
@@ -143,9 +144,22 @@ class ZMQTransport(CheckpointTransport[T]):
             receiver holds nobody back (docs/protocol.md, "Swarm"). On by
             default; it costs this receiver upload bandwidth while it
             receives, and ``recv_checkpoint`` returns at most
-            ``zmqtransport.fetch.relaying.RELAY_TAIL`` (50 ms) after its own
+            ``zmqtransport.fetch.relaying.RELAY_TAIL`` (10 ms) after its own
             data is complete, never serving from the received memory after
             it returns. ``False``: never relay, and fetch from the source only.
+        verify: which received bytes are checked against the strong digests
+            (SHA-256, or BLAKE3 with the ``blake3`` extra on both sides) that
+            the source publishes over this receiver's own connection to it
+            (docs/protocol.md, "Digests"). ``"relayed"`` (default): every
+            message another receiver sends; a peer whose bytes do not match,
+            or that answers anything but good data, is dropped for the
+            receive (a WARNING names it) and its part is fetched again, so a
+            modified peer that offered to relay changes nothing. ``"all"``:
+            the source's own messages too (end-to-end, against corruption
+            anywhere on the way; costs the source and the receiver one hash
+            pass each, see README). A source that publishes no digests (an
+            earlier release) is never relayed from; ``"all"`` refuses to
+            receive from it.
         allow_pickle: send objects that have no pickle-free encoding as pickle,
             and accept pickled objects when receiving. Off by default: a peer's
             pickle can run arbitrary code. Both sides must opt in.
@@ -203,6 +217,7 @@ class ZMQTransport(CheckpointTransport[T]):
         window: int = DEFAULT_WINDOW,
         streams: int | None = None,
         relay: bool = True,
+        verify: str = "relayed",
         allow_pickle: bool = False,
         state_dict: Callable[[], T] | None = None,
         checksum: bool = False,
@@ -220,7 +235,7 @@ class ZMQTransport(CheckpointTransport[T]):
     ) -> None:
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
-        _check_receiving(streams, relay)
+        _check_receiving(streams, relay, verify)
         bind_hosts = split_hosts(bind_host, "bind_host")
         # Chosen (and checked) before anything is acquired; the ports follow the binds.
         advertised = advertised_hosts(bind_hosts, advertise_host)
@@ -251,6 +266,7 @@ class ZMQTransport(CheckpointTransport[T]):
             stall_timeout=stall_seconds,
             streams=streams,
             relay=RelayOffer(self._address.to_metadata(), self._server, self._peer_options) if relay else None,
+            verify=verify,
         )
         self.last_recv_stats: TransferStats | None = None
 
@@ -368,6 +384,17 @@ class ZMQTransport(CheckpointTransport[T]):
         options, peer_options = self._fetch_options, self._peer_options(address)
         return fetch_header(self._context, address, step, timeout.total_seconds(), options, peer_options)
 
+    def fetch_digests(self, metadata: str, step: int, timeout: timedelta) -> Published:
+        """The header of ``step`` and the source's digest of every data message (docs/protocol.md, "Digests").
+
+        No tensor data moves; the source hashes what it has not hashed yet.
+        Raises ``ProtocolError`` for a source that publishes no digests.
+        """
+        self._check_open()
+        address = parse_metadata(metadata)
+        options, peer_options = self._fetch_options, self._peer_options(address)
+        return fetch_digests(self._context, address, step, timeout.total_seconds(), options, peer_options)
+
     def _peer_options(self, address: PeerAddress) -> Configure | None:
         """DEALER options for fetching from one peer: CURVE needs that peer's server key.
 
@@ -471,7 +498,9 @@ def _check_options(
     return stall_seconds
 
 
-def _check_receiving(streams: int | None, relay: bool) -> None:
+def _check_receiving(streams: int | None, relay: bool, verify: str) -> None:
+    if verify not in VERIFY_CHOICES:
+        raise ValueError(f"verify={verify!r}: must be one of {', '.join(map(repr, VERIFY_CHOICES))}")
     if type(relay) is not bool:
         raise ValueError(f"relay={relay!r}: must be True or False")
     if streams is not None and (type(streams) is not int or not 1 <= streams <= MAX_STREAMS):

@@ -25,6 +25,7 @@ from ..lab import enter_namespace
 from .config import Knobs, Scenario
 from .methods import METHODS, Place, Receiving, RecvEnv, SendEnv, Serving, ZmqMethod
 from .payload import PeakMeter, check, make_tensors, release_free_memory, stamp
+from .rogue import become_rogue, shutdown_halfway
 
 
 def serve_commands(conn: Connection, handlers: dict[str, Callable[..., Any]]) -> None:
@@ -203,10 +204,19 @@ class ReceiverProcess:
                 progress = _die_past(kill.at_fraction)
             else:
                 self.kill_timer_s = kill.at_fraction * _one_link_ideal_s(self.scenario)
+        rogue = self.scenario.rogue
+        shut_down: list[Any] | None = None  # the rogue's own transport, for its progress callback
+        if rogue is not None and self.rank == 1 and isinstance(chosen, ZmqMethod):
+            become_rogue(rogue.mode)  # this process is the rogue's alone: a fresh receiver per trial
+            if rogue.mode == "shutdown":
+                shut_down = []
+                progress = shutdown_halfway(shut_down)
         if isinstance(chosen, ZmqMethod):
             progress = self.timeline = Timeline(progress)
         env = RecvEnv(self.layout, self.targets, self.knobs, self.place, self.rank, world, metadata, step, progress)
         self.receiving = chosen.receiver(env)
+        if shut_down is not None:
+            shut_down.append(getattr(self.receiving, "transport", None))
 
     def go(self, step: int, receives: int) -> list[dict[str, Any]]:
         """Time ``receives`` receives of ``step``, the first one cold; verify each."""

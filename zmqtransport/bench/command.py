@@ -17,6 +17,7 @@ from .config import (
     LOOPBACK_PRESETS,
     PRESETS,
     RELAY_PRESETS,
+    ROGUE_PRESETS,
     Knobs,
     LabSpec,
     Scenario,
@@ -102,11 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scenario",
         action="append",
-        choices=[*PRESETS, "all", "lab", "relay", "growth", "large"],
+        choices=[*PRESETS, "all", "lab", "relay", "rogue", "growth", "large"],
         help="a preset (repeatable; 'all': every loopback preset but the large ones; 'lab': every lab preset; "
-        "'relay': the fan-out lab rows and the one-receiver row they compare with; 'growth': 1, 2 and 4 GiB "
-        "uniform, with a table of seconds per GiB; 'large': the transformer state, 4 and 8 GiB uniform); "
-        "sizes below override it",
+        "'relay': the fan-out lab rows and the one-receiver row they compare with; 'rogue': issue 21's rogue "
+        "relays beside a clean fan-out; 'growth': 1, 2 and 4 GiB uniform, with a table of seconds per GiB; "
+        "'large': the transformer state, 4 and 8 GiB uniform); sizes below override it",
     )
     parser.add_argument("--lab", action="store_true", help="run the lab presets (same as --scenario lab)")
     parser.add_argument("--rate", type=float, help="lab link rate, Mbit/s per NIC and direction (default 400)")
@@ -131,6 +132,7 @@ def _chosen_presets(args: argparse.Namespace) -> list[str]:
         "all": LOOPBACK_PRESETS,
         "lab": LAB_PRESETS,
         "relay": RELAY_PRESETS,
+        "rogue": ROGUE_PRESETS,
         "growth": GROWTH_PRESETS,
         "large": LARGE_PRESETS,
     }

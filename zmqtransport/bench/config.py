@@ -72,6 +72,17 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class Rogue:
+    """Receiver 1's relaying is modified (issue 21: a rogue relay; modes in :mod:`.rogue`).
+
+    With the scenario's ``lead_s`` it asks first, so it heads the source's
+    relay chain; its own receive is not counted.
+    """
+
+    mode: str = "flip"
+
+
+@dataclass(frozen=True)
 class Scenario:
     """One benchmark configuration: what moves, to how many receivers, and how."""
 
@@ -92,6 +103,7 @@ class Scenario:
     warm: bool = False
     lab: LabSpec | None = None
     kill: Kill | None = None
+    rogue: Rogue | None = None
     # Receiver 1 asks this many seconds before the others (first in the source's relay chain).
     lead_s: float = 0.0
     # What the state dict looks like (layouts.LAYOUTS); a transformer's size is
@@ -210,6 +222,12 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-2nic-1to3"] = Scenario(
         "lab-2nic-1to3", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(nics=2)
     )
+    # Issue 21: a rogue relay at the head of the chain, and an honest one that shuts down mid-transfer.
+    for mode in ("flip", "error", "silent", "shutdown"):
+        rows[f"lab-rogue-{mode}"] = Scenario(
+            f"lab-rogue-{mode}", 64 * mib, 4 * mib, receivers=3, methods=("zmq-fresh",), reps=3, lab=LabSpec(),
+            rogue=Rogue(mode), lead_s=0.2,
+        )  # fmt: skip
     return rows
 
 
@@ -243,6 +261,8 @@ LARGE = _large_presets()
 PRESETS = {**_with_relay_rows(_presets()), **LARGE}
 # The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
 RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3")
+# Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
+ROGUE_PRESETS = ("lab-1to1", "lab-1to3", "lab-rogue-flip", "lab-rogue-error", "lab-rogue-silent", "lab-rogue-shutdown")
 LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)
 # ``--scenario all``: every loopback preset but the large ones (minutes each, GiBs of memory on both sides).
 LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None and name not in LARGE)

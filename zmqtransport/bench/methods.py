@@ -349,6 +349,7 @@ class ZmqMethod:
     requires: frozenset[str] = frozenset()
     streams: int | None = None
     relay: bool = True  # the receiver's option (issue 13); False: fetch from the source only
+    verify: str = "relayed"  # the receiver's option (issue 21); "all": every message checked against its digest
 
     def _transport(self, env: SendEnv | RecvEnv, **extra: Any) -> ZMQTransport[Any]:
         hosts = env.place.hosts
@@ -363,6 +364,8 @@ class ZmqMethod:
         extra: dict[str, Any] = {} if self.streams is None else {"streams": self.streams}
         if not self.relay:
             extra["relay"] = False
+        if self.verify != "relayed":
+            extra["verify"] = self.verify
         if env.progress is not None:
             extra["progress"] = env.progress
         if self.into_targets:
@@ -526,6 +529,8 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-inplace-1s", into_targets=True, streams=1),
         ZmqMethod("zmq-inplace-4s", into_targets=True, streams=4),
         ZmqMethod("zmq-norelay", into_targets=False, relay=False),
+        ZmqMethod("zmq-inplace-verify", into_targets=True, verify="all"),
+        ZmqMethod("zmq-fresh-verify", into_targets=False, verify="all"),
         CutMethod("zmq-inplace-cut", ZmqMethod("zmq-inplace", into_targets=True)),
         HttpMethod("http", chunks=0),
         HttpMethod("http-4", chunks=4),
@@ -535,4 +540,6 @@ METHODS: dict[str, Method] = {
 }
 
 # Variants of a method (another option, a fault): run only where named (a preset, --methods).
-VARIANTS = frozenset({"zmq-inplace-1s", "zmq-inplace-4s", "zmq-inplace-cut", "zmq-norelay"})
+VARIANTS = frozenset(
+    {"zmq-inplace-1s", "zmq-inplace-4s", "zmq-inplace-cut", "zmq-norelay", "zmq-inplace-verify", "zmq-fresh-verify"}
+)

@@ -107,33 +107,40 @@ class _Child:
 
 
 def _go(
-    receivers: Sequence[_Child], timeout: float, step: int, receives: int, kill: Kill | None, lead_s: float = 0.0
+    receivers: Sequence[_Child],
+    timeout: float,
+    step: int,
+    receives: int,
+    kill: Kill | None,
+    lead_s: float = 0.0,
+    rogue: bool = False,
 ) -> list[list[Any] | None]:
-    """Start every receive and collect the outcomes; None for a receiver that was killed as planned.
+    """Start every receive and collect the outcomes; None for a receiver not counted (killed as planned, a rogue).
 
     With a :class:`Kill`, its victim starts ``lead_s`` before the others (first
     in the source's relay chain) and must die of SIGKILL, or finish first.
     Without one, ``lead_s`` > 0 starts receiver 1 that much before the others.
+    ``rogue``: receiver 1 is a rogue relay (:class:`Rogue`); its own outcome
+    is not counted (it may even fail).
     """
-    if kill is None and lead_s > 0:
-        first, *others = receivers
-        first.send("go", step, receives)
-        time.sleep(lead_s)
-        for child in others:
+    leader = receivers[kill.rank - 1] if kill is not None else receivers[0] if lead_s > 0 else None
+    if leader is None:
+        for child in receivers:
             child.send("go", step, receives)
-        return [child.reply(timeout) for child in receivers]
-    if kill is None:
-        return list(_gather(receivers, timeout, "go", step, receives))
-    victim = receivers[kill.rank - 1]
-    victim.send("go", step, receives)
-    time.sleep(kill.lead_s)
-    others = [child for child in receivers if child is not victim]
-    for child in others:
-        child.send("go", step, receives)
+    else:
+        leader.send("go", step, receives)
+        time.sleep(kill.lead_s if kill is not None else lead_s)
+        for child in receivers:
+            if child is not leader:
+                child.send("go", step, receives)
     replies: list[list[Any] | None] = []
-    for child in receivers:
-        if child is victim:
-            replies.append(_victim_reply(victim, timeout))
+    for rank, child in enumerate(receivers, start=1):
+        if kill is not None and child is leader:
+            replies.append(_victim_reply(child, timeout))
+        elif rogue and rank == 1:
+            with contextlib.suppress(BenchError):  # a rogue that shut itself down fails its own receive
+                child.reply(timeout)
+            replies.append(None)
         else:
             replies.append(child.reply(timeout))
     return replies
@@ -193,6 +200,7 @@ class Trial:
     killed: list[int] = field(default_factory=list)  # ranks SIGKILLed mid-transfer (scenario.kill); lists skip them
     # Per receiver: (seconds into its receive, bytes landed) points, from ZMQTransport's progress ([] otherwise).
     timelines: list[list[tuple[float, int]]] = field(default_factory=list)
+    rogue: list[int] = field(default_factory=list)  # ranks of rogue relays (scenario.rogue); lists skip them
 
 
 @dataclass
@@ -259,16 +267,19 @@ class _Run:
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
             with self._cut_link(method) as cut:
-                replies = _go(receivers, timeout, step, self.receives, scenario.kill, scenario.lead_s)
+                has_rogue = scenario.rogue is not None
+                replies = _go(receivers, timeout, step, self.receives, scenario.kill, scenario.lead_s, has_rogue)
             send_rss = self.sender.call(timeout, "finish", method)
             after = self.network.source_sent()
             _gather([r for r, runs in zip(receivers, replies, strict=True) if runs is not None], 30.0, "exit")
         finally:
             for receiver in receivers:
                 receiver.stop()
-        # The survivors, in rank order (a killed receiver has no outcome).
+        # The survivors, in rank order (a killed receiver or a rogue has no outcome).
         outcomes = [runs for runs in replies if runs is not None]
-        killed = [rank for rank, runs in enumerate(replies, start=1) if runs is None]
+        uncounted = [rank for rank, runs in enumerate(replies, start=1) if runs is None]
+        rogue = [1] if scenario.rogue is not None else []
+        killed = [rank for rank in uncounted if rank not in rogue]
         cold = [runs[0] for runs in outcomes]
         self.resettable = self.resettable and all(o["resettable"] for o in cold)
         return Trial(
@@ -287,6 +298,7 @@ class _Run:
             cut.at_s,
             killed,
             [o["timeline"] for o in cold],
+            rogue,
         )
 
     @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The performance targets of issues 4, 12, 13, 16, 22 and 24, checked wherever a run measured what they need."""
+"""The performance targets of issues 4, 12, 13, 16, 21, 22 and 24, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issues 4, 12, 13, 16, 22 and 24, wherever the run measured what they need."""
+    """The performance targets of issues 4, 12, 13, 16, 21, 22 and 24, wherever the run measured what they need."""
     return (
         _issue4_targets(results)
         + _issue12_targets(results)
         + _issue13_targets(results)
         + _issue16_targets(results)
+        + _issue21_targets(results)
         + _issue22_targets(results)
         + _issue24_targets(results)
     )
@@ -75,7 +76,7 @@ def _issue13_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         if row.method not in RELAYING:
             continue
         shape = "killed" if row.killed else "three" if row.receivers == 3 else "seven" if row.receivers == 7 else ""
-        if not shape:
+        if not shape or row.rogue:
             continue
         what = f"{row.receivers} receivers" + (f", {row.killed} relay SIGKILLed mid-transfer" if row.killed else "")
         text = f"{row.method} slowest / one-receiver seconds ({what})"
@@ -83,6 +84,41 @@ def _issue13_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         if shape == "three":
             text = f"{row.method} source upload / state ({what})"
             targets.append(Target(row.scenario, text, row.sent_over_state, _UPLOAD_OVER_STATE, False, 13))
+    return targets
+
+
+# Issue 21 (a rogue relay, in the lab): most slowest-honest-receiver seconds / the clean fan-out's.
+_ROGUE_OVER_CLEAN = 2.0
+
+
+def _issue21_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Honest receivers behind a rogue relay against the same fan-out without one, in the same run."""
+    targets: list[Target] = []
+    for result in results:
+        scenario = result.scenario
+        if scenario.rogue is None or scenario.lab is None:
+            continue
+        clean = next(
+            (
+                other
+                for other in results
+                if other.scenario.rogue is None
+                and other.scenario.kill is None
+                and other.scenario.lab == scenario.lab
+                and other.scenario.receivers == scenario.receivers
+                and other.scenario.total_bytes == scenario.total_bytes
+            ),
+            None,
+        )
+        if clean is None:
+            continue
+        for method, entry in result.summary.items():
+            reference = clean.summary.get(method)
+            if method not in RELAYING or reference is None:
+                continue
+            text = f"{method} slowest honest / clean fan-out slowest (rogue relay: {scenario.rogue.mode})"
+            measured = entry.slowest_s / reference.slowest_s
+            targets.append(Target(scenario.name, text, measured, _ROGUE_OVER_CLEAN, False, 21))
     return targets
 
 

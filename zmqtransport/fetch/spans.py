@@ -30,9 +30,12 @@ span of another stream
 
 Whichever copy of a message lands first counts; the other copy is dropped
 (both come from the same staging). A stream declared lost gives its
-unfinished spans back; a message found bad after it landed
-(:meth:`SpanBook.rejected`: its bytes did not match the source's digest) is
-asked for again.
+unfinished spans back.
+
+A message from a stream that is not trusted (a peer) is *held* when it
+arrives: asked for by nobody else, but not landed until the receive has
+checked it against the source's digest (:mod:`.verify`); then it is
+:meth:`SpanBook.verified`, or :meth:`SpanBook.rejected` and asked for again.
 
 :class:`SpanBook` is pure (explicit ``now``, no zmq); :mod:`.striped` carries
 its decisions out on the sockets. Sets of messages are Python integers used

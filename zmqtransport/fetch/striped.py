@@ -9,10 +9,16 @@ hands them out, asks the peers what they hold and the source who the peers
 are (:class:`~.peers.Peers`), lands each data message as it comes (on
 whichever stream), and notices streams that are lost (their connection
 closed) or stalled (silent for the stall bound while they owe data), whose
-work goes to the others. A peer that answers with an error or anything
-malformed is dropped for this receive and its work goes elsewhere: only the
-source's refusals fail a receive. It fails only then, when no stream is left,
-at the transfer deadline, or on a protocol or integrity error from the source.
+work goes to the others. It fails only when no connection to the source is
+left, at the transfer deadline, or on a protocol or integrity error of the
+source.
+
+A peer (a stream with a token) is a helper the receive does without at the
+first sign of trouble: every message it sends is checked against the source's
+digest before it counts (:mod:`.checking`), and a mismatch, any error reply,
+anything malformed, or silence while others serve its spans drops it for this
+receive, with a WARNING naming it; its spans go to the source and the other
+peers. Only the source's own refusals fail the receive.
 """
 
 from __future__ import annotations
@@ -28,13 +34,16 @@ from dataclasses import dataclass
 import zmq
 
 from .. import wire
-from ..errors import ConnectionLostError, IntegrityError, ProtocolError, StalledError
+from ..digests import Algorithm
+from ..errors import ConnectionLostError, ProtocolError, StalledError
 from . import liveness, racing
+from .checking import DigestTerms, RelayCheck
 from .connection import Connection
 from .inbox import Inbox
 from .peers import NewPeer, Peers
 from .replies import discard_rest, next_reply, refusal
 from .spans import SOURCE, SPAN_BYTES, Span, SpanBook
+from .verify import Verdict
 
 logger = logging.getLogger("zmqtransport.fetch")
 
@@ -60,6 +69,8 @@ class SpanTerms:
     accept_pickle: bool
     deadline: float
     stall_timeout: float | None
+    algorithm: Algorithm | None = None  # the source's digest algorithm (None: it publishes none)
+    inline: bool = False  # verify="all": the source's spans carry a digest per message
 
 
 def span_messages(chunk_bytes: int, messages: int = 0, streams: int = 1) -> int:
@@ -69,6 +80,35 @@ def span_messages(chunk_bytes: int, messages: int = 0, streams: int = 1) -> int:
     if messages:
         size = min(size, max(1, messages // (MIN_SPANS_PER_STREAM * max(1, streams))))
     return size
+
+
+def span_request(span: Span, terms: SpanTerms, token: bytes | None, now: float) -> bytes:
+    """The span fetch for ``span``: to a peer with its ``token``; to the source, with digests if verify="all"."""
+    inline = terms.inline and token is None and terms.algorithm is not None
+    verify = [terms.algorithm.name] if inline and terms.algorithm is not None else []
+    wait_ms = max(0, int((terms.deadline - now) * 1000))
+    return wire.fetch_request(
+        span.xfer,
+        terms.step,
+        wait_ms,
+        span.stop - span.first,
+        terms.accept_pickle,
+        span=(span.first, span.stop),
+        stage=terms.stage,
+        token=token,
+        verify=verify,
+        inline=inline,
+    )
+
+
+def log_drop(stream: Connection, step: int, why: str, level: int | None) -> None:
+    """A stream no longer used: a peer at WARNING by default (it failed this receive), the source at INFO."""
+    if stream.token is not None:
+        message = "dropping the peer at %s for this receive of step %d: %s; its spans go to the others"
+        logger.log(logging.WARNING if level is None else level, message, stream.endpoint, step, why)
+    else:
+        message = "striped receive of step %d: dropping %s (%s)"
+        logger.log(logging.INFO if level is None else level, message, step, stream.endpoint, why)
 
 
 class StripedReceive:
@@ -102,6 +142,11 @@ class StripedReceive:
         self.duplicates = 0  # messages that landed twice (the second copy dropped)
         self.cancelled: set[int] = set()
         self.poller = zmq.Poller()
+        self.check: RelayCheck | None = None
+        if peers is not None:
+            assert terms.algorithm is not None  # a receive uses peers only when the source publishes digests
+            digest_terms = DigestTerms(terms.step, terms.stage, terms.algorithm, terms.deadline)
+            self.check = RelayCheck(self.streams, self.messages, digest_terms)
         for stream in streams:
             self._add(stream)
         if peers is not None:
@@ -117,6 +162,8 @@ class StripedReceive:
                 self._follow_connections(now)
                 self._ask_peers(now)
                 self._ask(now)
+                if self.check is not None:
+                    self.check.ask(self._relayed_spans(), now)
                 self._check_bounds(now)
                 ready = dict(self.poller.poll(self._wait_ms(now)))
                 for index, stream in enumerate(self.streams):
@@ -124,6 +171,11 @@ class StripedReceive:
                         self._drain(index, stream)
         finally:
             self._cancel(list(self.book.spans.values()))
+            if self.check is not None:
+                self.check.cancel_all()
+
+    def _relayed_spans(self) -> list[Span]:
+        return [span for span in self.book.spans.values() if self.streams[span.stream].token is not None]
 
     def _wait_ms(self, now: float) -> int:
         wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
@@ -182,43 +234,44 @@ class StripedReceive:
             if owed and stall is not None and now - min(self.book.silent_since(s) for s in owed) >= stall:
                 self._drop(index, stream, f"sent nothing for {stall:.3g} s (stall_timeout)")
 
-    def _drop(self, index: int, stream: Connection, why: str, level: int = logging.INFO) -> None:
-        logger.log(level, "striped receive of step %d: dropping %s (%s)", self.terms.step, stream.endpoint, why)
+    def _drop(
+        self, index: int, stream: Connection, why: str, level: int | None = None, believed: bool = True
+    ) -> None:
+        """Stop using a stream; logged at ``level`` (default: WARNING for a peer, INFO for the source).
+
+        ``believed``: a dropped peer's messages still waiting for their digest
+        are checked when it comes (it failed, it did not lie); otherwise they
+        are fetched again.
+        """
+        log_drop(stream, self.terms.step, why, level)
         stream.gone = why
         self.book.lost(index)
+        if self.check is not None:
+            if stream.token is None:
+                self.check.source_lost(index)
+            elif not believed:
+                self.book.rejected(self.check.relay_dropped(index))
         with contextlib.suppress(KeyError):
             self.poller.unregister(stream.socket)
             self.poller.unregister(stream.watch.monitor)
         stream.close()
 
-    def _drop_peer(self, peer: int, why: str, level: int = logging.WARNING) -> None:
+    def _drop_peer(self, peer: int, why: str, level: int | None = None, believed: bool = True) -> None:
         """Fetch nothing more from ``peer`` in this receive: its spans go to the source and the others."""
         assert self.peers is not None and peer != SOURCE
         self.peers.drop(peer)
         self.book.forget_peer(peer)
         for index, stream in enumerate(self.streams):
             if stream.peer == peer and not stream.gone:
-                self._drop(index, stream, f"peer: {why}", level)
+                self._drop(index, stream, why, level, believed)
                 level = logging.DEBUG  # named once
 
     def _ask(self, now: float) -> None:
-        terms = self.terms
         for index, stream in enumerate(self.streams):
             if stream.gone:
                 continue
             while (span := self.book.assign(index, random.getrandbits(63), now)) is not None:
-                wait_ms = max(0, int((terms.deadline - now) * 1000))
-                fetch = wire.fetch_request(
-                    span.xfer,
-                    terms.step,
-                    wait_ms,
-                    span.stop - span.first,
-                    terms.accept_pickle,
-                    span=(span.first, span.stop),
-                    stage=terms.stage,
-                    token=stream.token,
-                )
-                if not self._send(index, stream, fetch):
+                if not self._send(index, stream, span_request(span, self.terms, stream.token, now)):
                     break
         if self.inbox.duty is not None:
             self.inbox.duty.fetching(self.book.asked())
@@ -248,11 +301,23 @@ class StripedReceive:
             return False
         return True
 
+    def _idle_peers(self, done: list[Span]) -> None:
+        """Spans whose rest landed from others: a peer that sent nothing since they were taken over is dropped.
+
+        It held them through a quiet bound and then while another stream served
+        them: dropped now, it is not given new spans to hold, so a peer that
+        serves nothing costs this receive one quiet bound, not one per span.
+        """
+        for span in done:
+            stream = self.streams[span.stream]
+            if stream.token is not None and not stream.gone and self.book.idle_since_taken_over(span):
+                self._drop_peer(stream.peer, "sent nothing for a quiet bound, nor while others served its spans")
+
     def _check_bounds(self, now: float) -> None:
         if all(stream.gone for stream in self.streams if stream.peer == SOURCE):
-            # Peers serve only what they have: with the source gone, nothing guarantees the rest.
+            # Peers serve only what they have, and nothing they send can be checked without the source.
             tried = ", ".join(f"{s.endpoint} ({s.gone or 'a peer'})" for s in self.streams)
-            stalled = all("stall" in s.gone for s in self.streams)
+            stalled = all("stall" in s.gone for s in self.streams if s.peer == SOURCE)
             message = f"every connection to the source failed mid-transfer: {tried}"
             raise StalledError(message) if stalled else ConnectionLostError(message)
         if now >= self.terms.deadline:
@@ -272,61 +337,81 @@ class StripedReceive:
                 if reply is None:
                     return
                 self._handle(index, stream, reply, who)
-            except (ProtocolError, IntegrityError) as exc:
-                if stream.peer == SOURCE:
-                    raise
-                # A peer that sends anything malformed or corrupt is dropped; the source still serves.
-                self._drop_peer(stream.peer, str(exc))
+            except ProtocolError as exc:
+                if stream.token is None:
+                    raise  # the source's own: the receive fails
+                self._drop_peer(stream.peer, f"malformed message: {exc}", believed=False)
             if self.book.complete or stream.gone:
                 return
 
     def _describe(self, stream: Connection) -> str:
-        return f"the peer at {stream.endpoint}" if stream.peer != SOURCE else f"{self.who} at {stream.endpoint}"
+        return f"the peer at {stream.endpoint}" if stream.token is not None else f"{self.who} at {stream.endpoint}"
 
     def _handle(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
         xfer = reply.xfer
         if reply.op == wire.OP_DATA and reply.more:
-            self._on_data(stream, reply, who)
+            self._on_data(index, stream, reply, who)
         elif reply.op == wire.OP_END and not reply.more:
             if xfer in self.cancelled:
                 return
             assert xfer is not None  # wire.decode_reply: only an error may lack an id
             try:
-                self._cancel(self.book.on_end(xfer))
+                done = self.book.on_end(xfer)
             except ValueError as exc:
                 raise ProtocolError(f"{who}: {exc}") from None
+            self._idle_peers(done)
+            self._cancel(done)
         elif reply.op == wire.OP_HAVE and not reply.more:
             self._on_have(stream, reply, who)
         elif reply.op == wire.OP_ERROR:
             discard_rest(stream.socket)
-            if xfer in self.cancelled:
-                return
-            if stream.peer == SOURCE:
-                raise refusal(reply, who, self.terms.step)
-            # A peer that cannot (or no longer) serve: routine at the end of its tail.
-            level = logging.INFO if reply.code == wire.ERR_NOT_RELAYING else logging.WARNING
-            self._drop_peer(stream.peer, f"[{reply.code}] {reply.text}", level)
+            self._on_error(stream, reply, who)
+        elif reply.op == wire.OP_DIGESTS and not reply.more and stream.token is None and self.check is not None:
+            self._judge(self.check.answered(reply, who) or [])
         else:
             discard_rest(stream.socket)
             raise ProtocolError(f"unexpected {reply.op!r} message from {who} in a striped receive")
+
+    def _on_error(self, stream: Connection, reply: wire.Reply, who: str) -> None:
+        xfer = reply.xfer
+        if xfer in self.cancelled:
+            return
+        if stream.token is not None:
+            # A peer is a helper: whatever it refuses, the source or another peer serves.
+            stopped = reply.code == wire.ERR_NOT_RELAYING  # it stopped serving: routine at the end of its tail
+            why = f"error reply [{reply.code}] {reply.text}"
+            self._drop_peer(stream.peer, why, logging.INFO if stopped else None, believed=stopped)
+            return
+        if self.check is not None and self.check.asked(xfer):
+            assert xfer is not None
+            self._no_digests(xfer, f"[{reply.code}] {reply.text}")
+            return
+        if self.peers is not None and self.peers.answered(xfer) is not None:
+            return  # a question about the swarm the source does not answer: no more members to learn of
+        raise refusal(reply, who, self.terms.step)
 
     def _on_have(self, stream: Connection, reply: wire.Reply, who: str) -> None:
         peer = self.peers.answered(reply.xfer) if self.peers is not None else None
         if peer is None or self.peers is None or peer != stream.peer:
             raise ProtocolError(f"{who}: a have reply to no question")
         if peer == SOURCE:
-            self._connect(self.peers.learn(reply.peers))
+            if self.check is not None:  # peers only while their bytes can be checked
+                self._connect(self.peers.learn(reply.peers))
         elif not self.peers.dropped(peer):
             self.book.holds(peer, reply.have or 0, reply.coming)
 
-    def _on_data(self, stream: Connection, reply: wire.Reply, who: str) -> None:
+    def _on_data(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
         seq = reply.seq
         if seq >= self.messages:
             discard_rest(stream.socket)
             raise ProtocolError(f"data message number {seq} out of range from {who}")
         assert reply.xfer is not None  # wire.decode_reply: only an error may lack an id
+        relayed = stream.token is not None
+        if relayed and self.check is None:
+            discard_rest(stream.socket)  # a peer's message that can no longer be checked never counts
+            return
         try:
-            fresh = self.book.on_data(reply.xfer, seq, time.monotonic())
+            fresh = self.book.on_data(reply.xfer, seq, time.monotonic(), held=relayed)
         except ValueError as exc:
             discard_rest(stream.socket)
             raise ProtocolError(f"{who}: {exc}") from None
@@ -336,11 +421,50 @@ class StripedReceive:
             self.duplicates += fresh is False
             return
         try:
-            stream.bytes += self.inbox.land(stream.socket, reply, who)
-        except (ProtocolError, IntegrityError):
+            _, digest = self.inbox.receive(stream.socket, reply, who, relayed)
+        except ProtocolError:
             self.book.rejected([seq])  # whatever landed of it is overwritten by a good copy
             raise
+        if not relayed:
+            self._count(seq, reply.crc, index)
+            return
+        assert self.check is not None and digest is not None
+        verdict = self.check.arrived(seq, digest, index)
+        if verdict is not None:
+            self._judge([Verdict(seq, index, verdict)])
+
+    def _judge(self, verdicts: list[Verdict]) -> None:
+        """Relayed messages checked against the source's digests: counted, or their peer dropped."""
+        for verdict in verdicts:
+            stream = self.streams[verdict.stream]
+            if verdict.ok:
+                self._count(verdict.seq, None, verdict.stream)
+                continue
+            self.book.rejected([verdict.seq])
+            if not stream.gone:
+                algorithm = self.terms.algorithm.name if self.terms.algorithm is not None else "digest"
+                why = f"data message {verdict.seq} does not match the source's {algorithm} digest"
+                self._drop_peer(stream.peer, why, believed=False)
+
+    def _count(self, seq: int, crc: int | None, index: int) -> None:
+        """Message ``seq`` from stream ``index`` has landed (checked where it had to be)."""
+        self.book.verified(seq)
+        self.inbox.count(seq, crc)
+        stream = self.streams[index]
+        stream.bytes += self.inbox.offsets[seq + 1] - self.inbox.offsets[seq]
         stream.messages += 1
+
+    def _no_digests(self, xfer: int, why: str) -> None:
+        """The source refused a digest request: nothing peers send can be checked; fetch it all from the source."""
+        assert self.check is not None and self.peers is not None
+        self.check.withdraw(xfer)
+        waiting = list(self.check.book.pending)  # held, and now never to be checked
+        for peer in list(self.peers.tokens):
+            if not self.peers.dropped(peer):
+                why_peer = f"the source refused the digests to check it against: {why}"
+                self._drop_peer(peer, why_peer, believed=False)
+        self.book.rejected(waiting)
+        self.check = None  # and no new peer is connected
 
     def _cancel(self, spans: list[Span]) -> None:
         """Tell the senders to stop sending spans this receive no longer needs (best effort)."""

@@ -15,6 +15,7 @@ import zmq
 from .. import wire
 from ..device import SendStager
 from ..relayed import RelayStopped
+from .digests import envelope_digest
 from .frames import HeldFrames
 from .router import Router
 from .scheduler import Action, Scheduler, Transfer
@@ -77,7 +78,8 @@ class DataPump:
             except RelayStopped:
                 self._scheduler.drop(transfer)  # the relay's receive returned; stop_relay tells its receiver
                 return []
-        envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload))
+        digest = envelope_digest(transfer, seq, payload)
+        envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload), digest)
         try:
             # Every frame is tracked: its release tells that the receiver takes data.
             tracker = self._router.send_data(transfer.peer, envelope, payload, track=True)

@@ -11,9 +11,11 @@ member serves is :class:`zmqtransport.relayed.Relayed`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+from dataclasses import dataclass, replace
 
 from .. import wire
+from ..net import parse_metadata
 
 # Members one swarm remembers (the oldest go first); far above any realistic
 # number of replicas recovering at once from one source.
@@ -35,17 +37,30 @@ class Swarm:
     def __init__(self) -> None:
         self.members: list[Member] = []
 
-    def join(self, peer: bytes, at: str, token: bytes) -> wire.RelayOrder:
-        """A receiver offered to relay: its token, and the members it may fetch from (the newest last)."""
+    def join(self, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
+        """A receiver offered to relay: its token, and the members it may fetch from (the newest last).
+
+        ``follows``: it may fetch from other members (it verifies what they
+        send); one that does not fetches from the source, and the others may
+        still fetch from it.
+        """
         # A receiver asking again (a retry on the same connection) rejoins at the end, never beside itself.
         self.left(peer)
-        known = self._peers(self.members)
+        known = self._peers(self.members) if follows else ()
         self.members.append(Member(peer, at, token))
         del self.members[:-MAX_MEMBERS]
         if not known:
             return wire.RelayOrder(token)
         newest_at, newest_token = known[-1]
         return wire.RelayOrder(token, newest_at, newest_token, known)
+
+    def offer(self, peer: bytes, offer: str, address: str, token: bytes, follows: bool) -> wire.RelayOrder | None:
+        """A receiver at ``address`` offered to relay at ``offer``: joined under the paths on its own host.
+
+        None: no path of the offer is on that host (:func:`believable_offer`); it is served directly.
+        """
+        at = believable_offer(offer, address)
+        return None if at is None else self.join(peer, at, token, follows)
 
     def peers_for(self, token: bytes) -> tuple[wire.Peer, ...] | None:
         """The members other than the one serving under ``token`` (None: no member has it)."""
@@ -63,3 +78,37 @@ class Swarm:
     @staticmethod
     def _peers(members: list[Member]) -> tuple[wire.Peer, ...]:
         return tuple((member.at, member.token) for member in members[-wire.MAX_PEERS :])
+
+
+def believable_offer(offer: str, address: str) -> str | None:
+    """An offer to relay (a metadata string) kept to the paths on ``address``, the host its connection comes from.
+
+    Anyone who reaches the source may offer: believed as it stands, an offer
+    would send the next receivers wherever it names (another service, a host
+    that answers nothing). Kept to the connection's own address, it can only
+    send them back to the host that asked. Hosts are compared as IP addresses
+    (an IPv4 peer on a dual-stack socket reads ``::ffff:10.0.0.7``); a path
+    named by a hostname is not kept (the source resolves no names). None when
+    no path is left or the offer does not parse.
+    """
+    peer = _ip(address)
+    if peer is None:
+        return None
+    try:
+        parsed = parse_metadata(offer)
+    except ValueError:
+        return None
+    kept = [path for path in parsed.paths if _ip(path.host) == peer]
+    if not kept:
+        return None
+    first, *more = kept
+    return replace(parsed, host=first.host, port=first.port, more_paths=tuple(more)).to_metadata()
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped or ip
