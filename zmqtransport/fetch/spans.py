@@ -333,6 +333,13 @@ class SpanBook:
         last = self._streams[span.stream].last_data
         return span.taken_at is not None and (last is None or last < span.taken_at)
 
+    def did_nothing(self, span: Span, now: float) -> bool:
+        """Whether ``span``'s stream delivered nothing since it was asked for ``span``, for at least its
+        quiet bound (and others have since served the span, or took it over)."""
+        last = self._streams[span.stream].last_data
+        idle = last is None or last < span.opened
+        return self.idle_since_taken_over(span) or (idle and now - span.opened >= self.quiet_after(span.stream))
+
     def silent_since(self, span: Span) -> float:
         """Since when ``span``'s stream has delivered nothing (counted from when the span was asked for)."""
         last = self._streams[span.stream].last_data

@@ -302,15 +302,16 @@ class StripedReceive:
         return True
 
     def _idle_peers(self, done: list[Span]) -> None:
-        """Spans whose rest landed from others: a peer that sent nothing since they were taken over is dropped.
+        """Spans whose rest landed from others: a peer that sent nothing for them is dropped.
 
-        It held them through a quiet bound and then while another stream served
+        It held them through a quiet bound, or while another stream served
         them: dropped now, it is not given new spans to hold, so a peer that
         serves nothing costs this receive one quiet bound, not one per span.
         """
+        now = time.monotonic()
         for span in done:
             stream = self.streams[span.stream]
-            if stream.token is not None and not stream.gone and self.book.idle_since_taken_over(span):
+            if stream.token is not None and not stream.gone and self.book.did_nothing(span, now):
                 self._drop_peer(stream.peer, "sent nothing for a quiet bound, nor while others served its spans")
 
     def _check_bounds(self, now: float) -> None:

@@ -400,6 +400,8 @@ class Scheduler:
         if request.relay is not None and (self.relay_loopback or not self.is_local(address)):
             # Only a receiver that verifies (offered an algorithm this side has) is sent to other members.
             order = self.swarm.offer(peer, request.relay, address, self.make_token(), follows=algorithm is not None)
+            if order is not None and algorithm is not None:
+                self.swarm.algorithm = algorithm
         # A receiver sent to a relay gets the header alone: it asks the relay for the data.
         header_only = request.header_only or (order is not None and order.upstream is not None)
         digest = algorithm.name if algorithm is not None else None
@@ -460,6 +462,11 @@ class Scheduler:
         transfer = Transfer(peer, request.xfer, staged, request.credit, address, now, now, first, stop, span=True)
         if isinstance(staged, Staged):
             transfer.hashing = transfer_hashing(request, staged, relays=False)
+            swarm = self.swarm.algorithm
+            if transfer.hashing is None and swarm is not None and staged.device_plan is not None:
+                # Device memory: digest requests cannot read it, so what goes out to a swarm
+                # (whose members ask for digests of what they fetch from each other) is hashed here.
+                transfer.hashing = Hashing(swarm, inline=False)
         self.transfers[transfer.key] = transfer
         return []
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, replace
 
-from .. import wire
+from .. import digests, wire
 from ..net import parse_metadata
 
 # Members one swarm remembers (the oldest go first); far above any realistic
@@ -36,6 +36,9 @@ class Swarm:
 
     def __init__(self) -> None:
         self.members: list[Member] = []
+        # The digest algorithm the verifying members chose: what they will ask the source
+        # for, of messages other members fetch (see Scheduler's span fetches of device memory).
+        self.algorithm: digests.Algorithm | None = None
 
     def join(self, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
         """A receiver offered to relay: its token, and the members it may fetch from (the newest last).
@@ -74,6 +77,7 @@ class Swarm:
 
     def clear(self) -> None:
         self.members = []
+        self.algorithm = None
 
     @staticmethod
     def _peers(members: list[Member]) -> tuple[wire.Peer, ...]:
