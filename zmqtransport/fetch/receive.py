@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 from typing import Any
@@ -151,7 +152,26 @@ class Receive:
             verify=digests.offered(),
             inline=inline,
         )
-        self.conns.first.socket.send(request)
+        self._send(request, "its request")
+
+    def _send(self, frame: bytes, what: str) -> None:
+        """Send on the connection in use, within the deadline.
+
+        A DEALER with no pipe to its peer (a connection refused by CurveZMQ,
+        torn down and not yet retried) blocks on send: never wait past the
+        transfer's deadline for one.
+        """
+        socket = self.conns.first.socket
+        while True:
+            try:
+                socket.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise self._timed_out(f"a connection to send {what} on")
+            socket.poll(max(1, min(100, math.ceil(left * 1000))), zmq.POLLOUT)
 
     def receive_header(self) -> landing.ParsedHeader:
         reply = self._next("the checkpoint header")
@@ -244,7 +264,7 @@ class Receive:
             inbox.land(socket, reply, source)
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < messages:
-                socket.send(wire.credit_request(self.xfer, unacknowledged))
+                self._send(wire.credit_request(self.xfer, unacknowledged), "credit")
                 unacknowledged = 0
         self.stats.messages = messages
         self.receive_end()

@@ -42,7 +42,7 @@ from .connection import Connection
 from .inbox import Inbox
 from .peers import NewPeer, Peers
 from .replies import discard_rest, next_reply, refusal
-from .spans import SOURCE, SPAN_BYTES, Span, SpanBook
+from .spans import QUIET_FIRST, SOURCE, SPAN_BYTES, Span, SpanBook
 from .verify import Verdict
 
 logger = logging.getLogger("zmqtransport.fetch")
@@ -230,9 +230,13 @@ class StripedReceive:
                 continue
             self.book.connected(index, state.established and state.lost_at is None)
             owed = [span for span in self.book.outstanding(index) if not span.finished]
+            silent = now - min(self.book.silent_since(s) for s in owed) if owed else 0.0
             stall = self.terms.stall_timeout
-            if owed and stall is not None and now - min(self.book.silent_since(s) for s in owed) >= stall:
+            if stall is not None and silent >= stall:
                 self._drop(index, stream, f"sent nothing for {stall:.3g} s (stall_timeout)")
+            elif stream.token is not None and silent >= max(QUIET_FIRST, self.book.quiet_after(index)):
+                # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
+                self._drop_peer(stream.peer, f"sent nothing for {silent:.2g} s of what it holds")
 
     def _drop(
         self, index: int, stream: Connection, why: str, level: int | None = None, believed: bool = True
@@ -271,6 +275,7 @@ class StripedReceive:
             if stream.gone:
                 continue
             while (span := self.book.assign(index, random.getrandbits(63), now)) is not None:
+                logger.debug("asking %s for messages %d..%d", stream.endpoint, span.first, span.stop)
                 if not self._send(index, stream, span_request(span, self.terms, stream.token, now)):
                     break
         if self.inbox.duty is not None:
