@@ -58,3 +58,14 @@ def test_a_peer_with_work_left_is_asked_less_often() -> None:
     assert peers.due(HAVE_EVERY, {1, 2}, busy={1}) == [2]
     assert peers.next_due(busy={1, 2}) == HAVE_REFRESH
     assert peers.due(HAVE_REFRESH, {1, 2}, busy={1}) == [1, 2]
+
+
+def test_a_member_named_under_more_paths_is_learned_again_with_them() -> None:
+    peers = Peers(OWN, [("tcp://10.0.0.2:5", A)])
+    (first,) = peers.learn()
+    assert (first.peer, first.at) == (1, "tcp://10.0.0.2:5")
+    assert peers.learn([("tcp://10.0.0.2:5", A)]) == []
+    (again,) = peers.learn([("tcp://10.0.0.2:5?paths=10.0.1.2:5", A)])
+    assert (again.peer, again.at) == (1, "tcp://10.0.0.2:5?paths=10.0.1.2:5")
+    peers.drop(1)
+    assert peers.learn([("tcp://10.0.0.2:5?paths=10.0.1.2:5,10.0.2.2:5", A)]) == []

@@ -698,6 +698,36 @@ def test_a_member_asking_the_source_learns_the_others_and_a_peer_says_what_it_ho
     assert isinstance(answer, Refuse) and answer.code == wire.ERR_NOT_RELAYING
 
 
+def test_a_members_paths_on_every_address_it_asks_from_are_believed(net: Net) -> None:
+    tokens = iter(bytes([n]) * 16 for n in range(1, 10))
+    net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
+    the_staged = staged()
+    net.execute(net.scheduler.stage(the_staged, net.now))
+    # Two NICs: it offers both paths, but its header request comes over the first only.
+    offer = "tcp://10.0.0.1:5?paths=10.0.1.1:5,10.9.9.9:5"
+    request = fetch(relay=offer, header_only=True, verify=("sha256",))
+    net.scheduler.on_request(b"a", request, "10.0.0.1", net.now)
+    net.scheduler.on_request(b"b", fetch(relay="tcp://10.0.0.2:5", header_only=True, verify=("sha256",)),
+                             "10.0.0.2", net.now)
+    a_token, b_token = bytes([1]) * 16, bytes([2]) * 16
+
+    def members_seen_by_b() -> tuple[wire.Peer, ...]:
+        ask = wire.Request(wire.OP_HAVE, 9, stage=the_staged.stage_id, token=b_token)
+        (answer,) = net.scheduler.on_request(b"b2", ask, "10.0.0.2", net.now)
+        assert isinstance(answer, Have)
+        return answer.peers
+
+    assert members_seen_by_b() == (("tcp://10.0.0.1:5", a_token),)
+    # a asks the source over its second NIC: its path there is believed; 10.9.9.9 (no connection) never is.
+    net.scheduler.on_request(b"a2", wire.Request(wire.OP_HAVE, 3, stage=the_staged.stage_id, token=a_token),
+                             "10.0.1.1", net.now)
+    assert members_seen_by_b() == (("tcp://10.0.0.1:5?paths=10.0.1.1:5", a_token),)
+    # Someone else showing a's token from its own address changes nothing a did not offer.
+    net.scheduler.on_request(b"x", wire.Request(wire.OP_HAVE, 4, stage=the_staged.stage_id, token=a_token),
+                             "10.6.6.6", net.now)
+    assert members_seen_by_b() == (("tcp://10.0.0.1:5?paths=10.0.1.1:5", a_token),)
+
+
 def test_receivers_on_the_sources_own_host_join_no_swarm(net: Net) -> None:
     net.scheduler = Scheduler(TIMEOUT, is_local=lambda address: address == "10.1.2.3")
     net.execute(net.scheduler.stage(staged(), net.now))

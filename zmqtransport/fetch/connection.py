@@ -158,7 +158,8 @@ class Connections:
         return connections
 
     def open_peer(self, at: str, token: bytes, peer: int) -> list[Connection]:
-        """One connection per path of the swarm peer serving at ``at`` (its metadata), showing its ``token``.
+        """One connection per path of the swarm peer serving at ``at`` (its metadata), showing its ``token``:
+        its paths this receive has no connection to yet.
 
         Raises ``ProtocolError`` for malformed metadata (the source named the peer).
         """
@@ -168,7 +169,8 @@ class Connections:
             raise ProtocolError(f"the source named a peer with malformed metadata: {exc}") from None
         peer_options = self.relay_options(address) if self.relay_options is not None else None
         configure = dealer_options(self.stall_timeout, peer_options)
-        connections = [self._open(path, configure) for path in address.paths]
+        opened = {c.path for c in self.extra if c.peer == peer}
+        connections = [self._open(path, configure) for path in address.paths if path not in opened]
         for connection in connections:
             connection.peer, connection.token = peer, token
         return connections

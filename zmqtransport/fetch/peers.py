@@ -64,6 +64,7 @@ class Peers:
     def __init__(self, own_token: bytes | None, known: Sequence[wire.Peer] = ()) -> None:
         self.own_token = own_token
         self.tokens: dict[int, bytes] = {}  # peer id -> its token
+        self.at: dict[int, str] = {}  # peer id -> where it serves (its paths the source believes)
         self._ids: dict[bytes, int] = {}
         self._asked: dict[int, int] = {}  # question (transfer id) -> peer id (SOURCE: the members)
         self._next_ask: dict[int, float] = {}
@@ -71,15 +72,21 @@ class Peers:
         self._known = list(known)
 
     def learn(self, members: Sequence[wire.Peer] = ()) -> list[NewPeer]:
-        """Members the source named (and those of the relay order, the first time): the ones that are new."""
+        """Members the source named (and those of the relay order, the first time): the ones that are new,
+        and known ones the source now names under more paths (their ``at`` has changed)."""
         fresh = []
         for at, token in [*self._known, *members]:
-            if token == self.own_token or token in self._ids:
+            if token == self.own_token:
                 continue
-            peer = len(self._ids) + 1  # SOURCE is 0
-            self._ids[token] = peer
-            self.tokens[peer] = token
-            self._next_ask[peer] = -math.inf
+            peer = self._ids.get(token)
+            if peer is None:
+                peer = len(self._ids) + 1  # SOURCE is 0
+                self._ids[token] = peer
+                self.tokens[peer] = token
+                self._next_ask[peer] = -math.inf
+            elif self.at[peer] == at or peer in self._dropped:
+                continue
+            self.at[peer] = at
             fresh.append(NewPeer(peer, at, token))
         self._known = []
         return fresh

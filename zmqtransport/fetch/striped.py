@@ -141,6 +141,7 @@ class StripedReceive:
         self.added: list[float] = []  # when each stream joined this receive (a peer learned of later, later)
         self.duplicates = 0  # messages that landed twice (the second copy dropped)
         self.cancelled: set[int] = set()
+        self._questions = 0  # questions to the source so far (which connection asks next)
         self.poller = zmq.Poller()
         self.check: RelayCheck | None = None
         if peers is not None:
@@ -288,7 +289,11 @@ class StripedReceive:
             return
         reachable = {stream.peer for stream in self.streams if not stream.gone and not stream.interrupted}
         for peer in peers.due(now, reachable, self._busy()):
-            index, stream = next((i, s) for i, s in enumerate(self.streams) if s.peer == peer and not s.gone)
+            live = [(i, s) for i, s in enumerate(self.streams) if s.peer == peer and not s.gone]
+            # The source is asked over each of its connections in turn: each comes from one of this
+            # receiver's addresses, and the source believes this receiver's paths on those it sees.
+            index, stream = live[self._questions % len(live)] if peer == SOURCE else live[0]
+            self._questions += 1
             xfer = random.getrandbits(63)
             if self._send(index, stream, wire.have_request(xfer, self.terms.stage, peers.token_of(peer))):
                 peers.asking(peer, xfer, now)

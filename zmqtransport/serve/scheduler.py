@@ -234,7 +234,7 @@ class Scheduler:
             self.parked = [p for p in self.parked if p.key != key]
             return []
         if request.op == wire.OP_HAVE:
-            return [self._have(peer, request)]
+            return [self._have(peer, request, address)]
         if key in self.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
         if request.digests_only:  # computed by serve.digests.DigestWork
@@ -418,15 +418,18 @@ class Scheduler:
             return [header, Finish(transfer, 0.0)]
         return [header]
 
-    def _have(self, peer: bytes, request: wire.Request) -> Have | Refuse:
+    def _have(self, peer: bytes, request: wire.Request, address: str) -> Have | Refuse:
         """What this side holds of ``request.stage``: as a swarm peer, what has landed; as the source,
-        everything, and the swarm's other members (``request.token`` is the asker's own)."""
+        everything, and the swarm's other members (``request.token`` is the asker's own: asked from
+        ``address``, that member's paths there are believed too)."""
         token = request.token
         relayed = self.relaying.steps.get(token) if token is not None else None
         if relayed is not None and relayed.stage_id == request.stage:
             return Have(peer, request.xfer, relayed.have, relayed.messages, coming=relayed.coming)
         staged = self.staged
         if staged is not None and staged.stage_id == request.stage:
+            if token is not None:
+                self.swarm.seen(token, address)
             peers = self.swarm.peers_for(token) if token is not None else None
             return Have(peer, request.xfer, None, staged.messages, peers or ())
         return Refuse(peer, request.xfer, wire.ERR_NOT_RELAYING, "this side serves nothing of that staging")

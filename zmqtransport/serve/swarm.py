@@ -5,13 +5,18 @@
 told every member so far; members learn of later ones by asking the source
 (a ``have`` request showing their own token). Every member fetches from the
 source and from the members it knows, each peer as fast as it delivers, so a
-slow receiver holds nobody back. Pure: the serving thread owns it. What a
-member serves is :class:`zmqtransport.relayed.Relayed`.
+slow receiver holds nobody back. A member is named under the paths of its
+offer on the addresses its connections to the source come from: the one its
+header request came from, and every other one it asks the source from (a
+receiver with a NIC per network asks over each), so peers fetch from it over
+all of them. Pure: the serving thread owns it. What a member serves is
+:class:`zmqtransport.relayed.Relayed`.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from .. import digests, wire
@@ -36,6 +41,8 @@ class Swarm:
 
     def __init__(self) -> None:
         self.members: list[Member] = []
+        # By token: what a member offered, and the addresses its connections came from.
+        self.offers: dict[bytes, tuple[str, frozenset[str]]] = {}
         # The digest algorithm the verifying members chose: what they will ask the source
         # for, of messages other members fetch (see Scheduler's span fetches of device memory).
         self.algorithm: digests.Algorithm | None = None
@@ -62,8 +69,23 @@ class Swarm:
 
         None: no path of the offer is on that host (:func:`believable_offer`); it is served directly.
         """
-        at = believable_offer(offer, address)
-        return None if at is None else self.join(peer, at, token, follows)
+        at = believable_offer(offer, [address])
+        if at is None:
+            return None
+        order = self.join(peer, at, token, follows)
+        self.offers[token] = (offer, frozenset([address]))
+        return order
+
+    def seen(self, token: bytes, address: str) -> None:
+        """The member serving under ``token`` asked from ``address``: its offer's paths there are believed too."""
+        offer, addresses = self.offers.get(token, ("", frozenset()))
+        if not offer or address in addresses:
+            return
+        addresses |= {address}
+        self.offers[token] = (offer, addresses)
+        at = believable_offer(offer, addresses)
+        if at is not None:
+            self.members = [replace(m, at=at) if m.token == token else m for m in self.members]
 
     def peers_for(self, token: bytes) -> tuple[wire.Peer, ...] | None:
         """The members other than the one serving under ``token`` (None: no member has it)."""
@@ -74,35 +96,40 @@ class Swarm:
     def left(self, peer: bytes) -> None:
         """The header connection of ``peer`` closed: it no longer serves (its receive ended)."""
         self.members = [member for member in self.members if member.peer != peer]
+        self.offers = {token: offer for token, offer in self.offers.items() if self._member(token)}
 
     def clear(self) -> None:
         self.members = []
+        self.offers = {}
         self.algorithm = None
+
+    def _member(self, token: bytes) -> bool:
+        return any(member.token == token for member in self.members)
 
     @staticmethod
     def _peers(members: list[Member]) -> tuple[wire.Peer, ...]:
         return tuple((member.at, member.token) for member in members[-wire.MAX_PEERS :])
 
 
-def believable_offer(offer: str, address: str) -> str | None:
-    """An offer to relay (a metadata string) kept to the paths on ``address``, the host its connection comes from.
+def believable_offer(offer: str, addresses: str | Iterable[str]) -> str | None:
+    """An offer to relay (a metadata string) kept to the paths on ``addresses``, those its connections come from.
 
     Anyone who reaches the source may offer: believed as it stands, an offer
     would send the next receivers wherever it names (another service, a host
-    that answers nothing). Kept to the connection's own address, it can only
+    that answers nothing). Kept to the connections' own addresses, it can only
     send them back to the host that asked. Hosts are compared as IP addresses
     (an IPv4 peer on a dual-stack socket reads ``::ffff:10.0.0.7``); a path
     named by a hostname is not kept (the source resolves no names). None when
     no path is left or the offer does not parse.
     """
-    peer = _ip(address)
-    if peer is None:
+    seen = {_ip(address) for address in ([addresses] if isinstance(addresses, str) else addresses)} - {None}
+    if not seen:
         return None
     try:
         parsed = parse_metadata(offer)
     except ValueError:
         return None
-    kept = [path for path in parsed.paths if _ip(path.host) == peer]
+    kept = [path for path in parsed.paths if _ip(path.host) in seen]
     if not kept:
         return None
     first, *more = kept
