@@ -31,6 +31,7 @@ from ..gcpause import paused_gc
 from ..net import PeerAddress, is_local_address
 from ..stats import TransferStats
 from . import landing, liveness, striped
+from .asking import SpanTerms
 from .connection import Configure, Connection, Connections
 from .inbox import Inbox
 from .landed import Landed, build, land
@@ -179,7 +180,7 @@ class Receive:
             raise ProtocolError(f"expected a header, got {reply.op!r}")
         self.stage = reply.stage
         self.order = reply.relay if self.options.relay is not None else None
-        self.algorithm = self._digest_algorithm(reply.digest)
+        self.algorithm = digest_algorithm(reply.digest, self.options.verify, self.describe())
         socket = self.conns.first.socket
         body = socket.recv()
         expect_no_more(socket, "the header")
@@ -187,19 +188,6 @@ class Receive:
         if header.step != self.step:
             raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
         return landing.parse_header(header, self.options.allow_pickle)
-
-    def _digest_algorithm(self, name: str | None) -> digests.Algorithm | None:
-        """The algorithm the source chose from this side's offer (None: it publishes no digests)."""
-        if name is None:
-            if self.options.verify == "all":
-                raise IntegrityError(
-                    f"verify='all': {self.describe()} publishes no digests to check the data against "
-                    "(a release before digests); receive from it with verify='relayed'"
-                )
-            return None
-        if name not in digests.offered():
-            raise ProtocolError(f"the peer chose digest algorithm {name!r}, which this side did not offer")
-        return digests.algorithm(name)
 
     def receive_end(self) -> None:
         reply = self._next("the end of the transfer", in_transfer=True)
@@ -209,7 +197,7 @@ class Receive:
 
     def header_phase(self) -> tuple[landing.ParsedHeader, bool]:
         """Ask for and read the header; returns it and whether the data comes striped (in spans)."""
-        offer = self._relay_offer()
+        offer = relay_offer(self.options, self.address)
         # A striped receive, and one that may join a swarm, asks for the header
         # alone, then for spans on every connection.
         stripe = self.options.striped(self.address) or offer is not None
@@ -226,19 +214,6 @@ class Receive:
             self.send_request()
             parsed = self.receive_header()
         return parsed, self.stage is not None
-
-    def _relay_offer(self) -> str | None:
-        """Where this receive offers to serve others (its transport's metadata), or None.
-
-        No offer to a source on this host: the source would not make it a
-        swarm member (one host has one memory system, not several links).
-        """
-        relay = self.options.relay
-        if relay is None:
-            return None
-        if not relayed.RELAY_LOOPBACK and all(is_local_address(path.host) for path in self.address.paths):
-            return None
-        return relay.at
 
     def plan_data(self, header: wire.Header) -> None:
         """The chunk plan (once the header's sizes were accepted), and relaying if the source asked.
@@ -274,7 +249,7 @@ class Receive:
         source and, when the source made this receive a swarm member, from the other members."""
         assert self.stage is not None  # only a sender that serves spans gets here
         options = self.options
-        terms = striped.SpanTerms(
+        terms = SpanTerms(
             self.step,
             self.stage,
             options.allow_pickle,
@@ -302,15 +277,7 @@ class Receive:
         try:
             run.run()
         finally:
-            self._record(run.streams, run.duplicates)
-
-    def _record(self, streams: list[Connection], duplicates: int) -> None:
-        self.stats.streams = len(streams)
-        self.stats.messages = sum(stream.messages for stream in streams)
-        self.stats.duplicate_messages = duplicates
-        for stream in streams:
-            if stream.bytes:
-                self.stats.paths[stream.endpoint] = self.stats.paths.get(stream.endpoint, 0) + stream.bytes
+            record(self.stats, run.streams, run.duplicates)
 
     def data_phase(self, parsed: landing.ParsedHeader, stripe: bool, landed: Landed) -> None:
         """Every data message into ``landed``; then this receive's relaying winds down."""
@@ -343,6 +310,43 @@ class Receive:
         if self.duty is not None:
             self.duty.stop()  # before anything is handed to the caller, whatever happened
         self.conns.close()
+
+
+def digest_algorithm(name: str | None, verify: str, source: str) -> digests.Algorithm | None:
+    """The algorithm ``source`` chose from this side's offer (None: it publishes no digests)."""
+    if name is None:
+        if verify == "all":
+            raise IntegrityError(
+                f"verify='all': {source} publishes no digests to check the data against "
+                "(a release before digests); receive from it with verify='relayed'"
+            )
+        return None
+    if name not in digests.offered():
+        raise ProtocolError(f"the peer chose digest algorithm {name!r}, which this side did not offer")
+    return digests.algorithm(name)
+
+
+def relay_offer(options: FetchOptions, source: PeerAddress) -> str | None:
+    """Where a receive offers to serve others (its transport's metadata), or None.
+
+    No offer to a source on this host: the source would not make it a swarm
+    member (one host has one memory system, not several links).
+    """
+    if options.relay is None:
+        return None
+    if not relayed.RELAY_LOOPBACK and all(is_local_address(path.host) for path in source.paths):
+        return None
+    return options.relay.at
+
+
+def record(stats: TransferStats, streams: list[Connection], duplicates: int) -> None:
+    """What a striped receive's connections carried, into its statistics."""
+    stats.streams = len(streams)
+    stats.messages = sum(stream.messages for stream in streams)
+    stats.duplicate_messages = duplicates
+    for stream in streams:
+        if stream.bytes:
+            stats.paths[stream.endpoint] = stats.paths.get(stream.endpoint, 0) + stream.bytes
 
 
 def fetch(

@@ -104,6 +104,63 @@ class _Stream:
     messages: int = 0
     spans: list[Span] = field(default_factory=list)  # outstanding
 
+    def delivered(self, now: float) -> None:
+        if self.last_data is not None:
+            self.gaps += now - self.last_data
+            self.messages += 1
+        self.last_data = now
+
+    def pace(self) -> float | None:
+        """Seconds per message on average (None: not measured yet)."""
+        return self.gaps / self.messages if self.messages else None
+
+    def quiet_after(self) -> float:
+        """Seconds of silence after which its spans may be taken over."""
+        return QUIET_FIRST if not self.messages else max(QUIET_MIN, QUIET_GAPS * self.gaps / self.messages)
+
+    def silent_since(self, span: Span) -> float:
+        """Since when it has delivered nothing for ``span`` (counted from when the span was asked for)."""
+        return span.opened if self.last_data is None else max(self.last_data, span.opened)
+
+    def quiet(self, now: float) -> bool:
+        """Whether it owes data and has sent nothing for longer than its pace explains."""
+        owed = [span for span in self.spans if not span.finished]
+        return any(now - self.silent_since(span) >= self.quiet_after() for span in owed)
+
+    def takeover_score(self, span: Span, rest: int, mine: float | None, now: float) -> float:
+        """How much taking over the ``rest`` messages of its ``span`` is worth to a stream of pace ``mine``:
+        its silence when it is quiet, the time the rest would still take when it is much slower (0: not)."""
+        silence = now - self.silent_since(span)
+        if silence >= self.quiet_after():
+            return silence
+        theirs = self.pace()
+        # A pace of 0 (messages drained from the socket at once) measures nothing.
+        if mine and theirs is not None and theirs > FASTER_BY * mine:
+            return rest * theirs
+        return 0.0
+
+
+class _Holdings:
+    """What each peer holds and is fetching, as it reported (bit sets within ``everything``); the source holds all."""
+
+    def __init__(self, everything: int) -> None:
+        self.everything = everything
+        self.held: dict[int, int | None] = {SOURCE: None}  # None: everything
+        self.coming: dict[int, int] = {}
+
+    def report(self, peer: int, have: int, coming: int) -> None:
+        if peer != SOURCE:
+            self.held[peer] = have & self.everything
+            self.coming[peer] = coming & self.everything & ~have
+
+    def of(self, peer: int) -> int:
+        held = self.held.get(peer, 0)
+        return self.everything if held is None else held
+
+    def forget(self, peer: int) -> None:
+        self.held[peer] = 0
+        self.coming.pop(peer, None)
+
 
 def _bit(seq: int) -> int:
     return 1 << seq
@@ -147,9 +204,8 @@ class SpanBook:
         self.missing = messages  # messages not LANDED
         self.spans: dict[int, Span] = {}  # outstanding, by transfer id
         self._streams: list[_Stream] = []
-        self._holds: dict[int, int | None] = {SOURCE: None}  # peer -> the messages it holds (None: all)
-        self._coming: dict[int, int] = {}  # peer -> the messages it is fetching (from anyone) as it reported
         self._all = (1 << messages) - 1
+        self._holds = _Holdings(self._all)
         self._wanted = self._all  # not landed
         self._free = self._all  # not landed and not asked for on any stream
         self._prefix = 0
@@ -181,20 +237,18 @@ class SpanBook:
 
     def add_stream(self, peer: int) -> int:
         """A new stream to ``peer`` (not yet connected); returns its index. A new peer holds nothing yet."""
-        self._holds.setdefault(peer, 0)
+        self._holds.held.setdefault(peer, 0)
         self._streams.append(_Stream(peer))
         return len(self._streams) - 1
 
     def holds(self, peer: int, have: int, coming: int = 0) -> None:
         """``peer`` reported holding the messages set in ``have`` and fetching those in ``coming``
         (bit sets; out-of-plan bits are ignored)."""
-        if peer != SOURCE:
-            self._holds[peer] = have & self._all
-            self._coming[peer] = coming & self._all & ~have
+        self._holds.report(peer, have, coming)
 
     def has_work_for(self, peer: int) -> bool:
         """Whether ``peer`` holds messages this receive still wants and has asked nobody for."""
-        return bool(self._free & self._held_by(peer))
+        return bool(self._free & self._holds.of(peer))
 
     def asked(self) -> int:
         """The messages this receive is fetching now: wanted, and asked of some stream (a bit set)."""
@@ -211,7 +265,7 @@ class SpanBook:
         state = self._streams[stream]
         if state.lost or not state.up or len(state.spans) >= self.depth:
             return None
-        held = self._held_by(state.peer)
+        held = self._holds.of(state.peer)
         choice = self._choose(stream, self._free & held, now)
         if choice is not None:
             first, stop = choice
@@ -237,11 +291,7 @@ class SpanBook:
         if seq != span.next:
             raise ValueError(f"data message {seq} on span {span.first}..{span.stop} where {span.next} was due")
         span.next += 1
-        state = self._streams[span.stream]
-        if state.last_data is not None:
-            state.gaps += now - state.last_data
-            state.messages += 1
-        state.last_data = now
+        self._streams[span.stream].delivered(now)
         if self.landed[seq] != MISSING:
             return False
         self._wanted &= ~_bit(seq)
@@ -297,8 +347,7 @@ class SpanBook:
         streams = [index for index, state in enumerate(self._streams) if state.peer == peer and not state.lost]
         for index in streams:
             self.lost(index)
-        self._holds[peer] = 0
-        self._coming.pop(peer, None)
+        self._holds.forget(peer)
         return streams
 
     def interrupted(self, stream: int) -> list[Span]:
@@ -318,15 +367,11 @@ class SpanBook:
 
     def quiet_after(self, stream: int) -> float:
         """Seconds of silence after which ``stream``'s spans may be taken over."""
-        state = self._streams[stream]
-        if state.messages == 0:
-            return QUIET_FIRST
-        return max(QUIET_MIN, QUIET_GAPS * state.gaps / state.messages)
+        return self._streams[stream].quiet_after()
 
     def pace(self, stream: int) -> float | None:
         """Seconds per message ``stream`` has taken on average (None: not measured yet)."""
-        state = self._streams[stream]
-        return state.gaps / state.messages if state.messages else None
+        return self._streams[stream].pace()
 
     def idle_since_taken_over(self, span: Span) -> bool:
         """Whether ``span`` was taken over and its stream has delivered nothing since: it did none of its work."""
@@ -342,8 +387,7 @@ class SpanBook:
 
     def silent_since(self, span: Span) -> float:
         """Since when ``span``'s stream has delivered nothing (counted from when the span was asked for)."""
-        last = self._streams[span.stream].last_data
-        return span.opened if last is None else max(last, span.opened)
+        return self._streams[span.stream].silent_since(span)
 
     def next_takeover_at(self) -> float:
         """When an unfinished span not yet taken over becomes quiet enough to take over (inf: none)."""
@@ -355,23 +399,19 @@ class SpanBook:
 
     # ------------------------------------------------------------------ internals
 
-    def _held_by(self, peer: int) -> int:
-        held = self._holds.get(peer, 0)
-        return self._all if held is None else held
-
     def _others(self, stream: int, now: float) -> tuple[int, int]:
         """What the live peers other than ``stream``'s hold or are fetching: all of them, and those not
         much slower than ``stream`` (bit sets)."""
         peer = self._streams[stream].peer
         mine = self.pace(stream)
         everyone = not_slow = 0
-        for other, held in self._holds.items():
+        for other, held in self._holds.held.items():
             if other == peer or held is None:
                 continue
             pace = self._peer_pace(other, now)
             if pace is math.inf:
                 continue  # no stream left to it, or every one gone quiet: it serves nobody now
-            theirs = held | self._coming.get(other, 0)
+            theirs = held | self._holds.coming.get(other, 0)
             everyone |= theirs
             if not (mine and pace is not None and pace > FASTER_BY * mine):
                 not_slow |= theirs
@@ -380,16 +420,11 @@ class SpanBook:
     def _peer_pace(self, peer: int, now: float) -> float | None:
         """The best measured pace of ``peer``'s live streams (None: none measured yet; inf: none serving)."""
         streams = [index for index, state in enumerate(self._streams) if state.peer == peer and not state.lost]
-        serving = [index for index in streams if not self._quiet(index, now)]
+        serving = [index for index in streams if not self._streams[index].quiet(now)]
         if not serving:
             return math.inf
         measured = [pace for pace in (self.pace(index) for index in serving) if pace]
         return min(measured) if measured else None
-
-    def _quiet(self, stream: int, now: float) -> bool:
-        """Whether ``stream`` owes data and has sent nothing for longer than its pace explains."""
-        owed = [span for span in self._streams[stream].spans if not span.finished]
-        return any(now - self.silent_since(span) >= self.quiet_after(stream) for span in owed)
 
     def _choose(self, stream: int, candidates: int, now: float) -> tuple[int, int] | None:
         """The span to ask ``stream`` for among ``candidates``: the rarest first, from this receive's offset on.
@@ -423,14 +458,8 @@ class SpanBook:
             first = self._first_missing(span.next, span.stop)
             if first >= span.stop or not held >> first & 1:
                 continue
-            silence = now - self.silent_since(span)
-            quiet = silence >= self.quiet_after(span.stream)
-            theirs = self.pace(span.stream)
-            # A pace of 0 (messages drained from the socket at once) measures nothing.
-            slower = bool(mine) and theirs is not None and theirs > FASTER_BY * (mine or 0.0)
-            # Ranked by how long the rest would still take where it is (silence for a quiet one).
-            score = silence if quiet else (span.stop - first) * (theirs or 0.0) if slower else 0.0
-            if (quiet or slower) and score > best_score:
+            score = self._streams[span.stream].takeover_score(span, span.stop - first, mine, now)
+            if score > best_score:
                 best, best_score = span, score
         return best
 

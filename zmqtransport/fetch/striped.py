@@ -26,17 +26,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import zmq
 
 from .. import wire
-from ..digests import Algorithm
 from ..errors import ConnectionLostError, ProtocolError, StalledError
 from . import liveness, racing
+from .asking import Asking, SpanTerms
 from .checking import DigestTerms, RelayCheck
 from .connection import Connection
 from .inbox import Inbox
@@ -60,19 +58,6 @@ MIN_SPANS_PER_STREAM = 4
 OpenPeer = Callable[[str, bytes, int], list[Connection]]
 
 
-@dataclass(frozen=True)
-class SpanTerms:
-    """What every span fetch of one receive shares."""
-
-    step: int
-    stage: int
-    accept_pickle: bool
-    deadline: float
-    stall_timeout: float | None
-    algorithm: Algorithm | None = None  # the source's digest algorithm (None: it publishes none)
-    inline: bool = False  # verify="all": the source's spans carry a digest per message
-
-
 def span_messages(chunk_bytes: int, messages: int = 0, streams: int = 1) -> int:
     """Data messages per span: about :data:`SPAN_BYTES`, within the credit one request may carry,
     and small enough that each of ``streams`` streams gets several spans of ``messages``."""
@@ -82,23 +67,9 @@ def span_messages(chunk_bytes: int, messages: int = 0, streams: int = 1) -> int:
     return size
 
 
-def span_request(span: Span, terms: SpanTerms, token: bytes | None, now: float) -> bytes:
-    """The span fetch for ``span``: to a peer with its ``token``; to the source, with digests if verify="all"."""
-    inline = terms.inline and token is None and terms.algorithm is not None
-    verify = [terms.algorithm.name] if inline and terms.algorithm is not None else []
-    wait_ms = max(0, int((terms.deadline - now) * 1000))
-    return wire.fetch_request(
-        span.xfer,
-        terms.step,
-        wait_ms,
-        span.stop - span.first,
-        terms.accept_pickle,
-        span=(span.first, span.stop),
-        stage=terms.stage,
-        token=token,
-        verify=verify,
-        inline=inline,
-    )
+def describe(stream: Connection, source: str) -> str:
+    """How errors name the sender on ``stream`` (``source``: the source's name, its rank where known)."""
+    return f"the peer at {stream.endpoint}" if stream.token is not None else f"{source} at {stream.endpoint}"
 
 
 def log_drop(stream: Connection, step: int, why: str, level: int | None) -> None:
@@ -130,7 +101,7 @@ class StripedReceive:
         open_peer: OpenPeer | None = None,
         offset: int = 0,
     ) -> None:
-        self.streams: list[Connection] = []
+        self.streams: list[Connection] = []  # a stream's index is its place here (and in the span book)
         self.inbox = inbox
         self.terms = terms
         self.who = who
@@ -138,22 +109,25 @@ class StripedReceive:
         self.open_peer = open_peer
         self.messages = len(inbox.plan)
         self.book = SpanBook(self.messages, 0, span, offset=offset)
-        self.added: list[float] = []  # when each stream joined this receive (a peer learned of later, later)
         self.duplicates = 0  # messages that landed twice (the second copy dropped)
-        self.cancelled: set[int] = set()
-        self._questions = 0  # questions to the source so far (which connection asks next)
-        self.poller = zmq.Poller()
-        self.check: RelayCheck | None = None
+        check = None
         if peers is not None:
             assert terms.algorithm is not None  # a receive uses peers only when the source publishes digests
             digest_terms = DigestTerms(terms.step, terms.stage, terms.algorithm, terms.deadline)
-            self.check = RelayCheck(self.streams, self.messages, digest_terms)
+            check = RelayCheck(self.streams, self.messages, digest_terms)
+        self.asking = Asking(self.streams, self.book, terms, peers, check, inbox.duty)
+        self.lanes = Lanes(self.streams, self.book, self.asking, terms.step)
         for stream in streams:
-            self._add(stream)
+            self.lanes.add(stream)
         if peers is not None:
             self._connect(peers.learn())
 
     # ------------------------------------------------------------------ the loop
+
+    @property
+    def check(self) -> RelayCheck | None:
+        """How peers' messages are checked (None: no peers, or nothing they send can be checked any more)."""
+        return self.asking.check
 
     def run(self) -> None:
         """Until every message has landed."""
@@ -161,37 +135,23 @@ class StripedReceive:
             while not self.book.complete:
                 now = time.monotonic()
                 self._follow_connections(now)
-                self._ask_peers(now)
-                self._ask(now)
-                if self.check is not None:
-                    self.check.ask(self._relayed_spans(), now)
+                for index in self.asking.send(now):
+                    self.lanes.drop(index, "its connection takes no requests")
                 self._check_bounds(now)
-                ready = dict(self.poller.poll(self._wait_ms(now)))
+                ready = dict(self.lanes.poller.poll(self._wait_ms(now)))
                 for index, stream in enumerate(self.streams):
                     if not stream.gone and stream.socket in ready:
                         self._drain(index, stream)
         finally:
-            self._cancel(list(self.book.spans.values()))
-            if self.check is not None:
-                self.check.cancel_all()
-
-    def _relayed_spans(self) -> list[Span]:
-        return [span for span in self.book.spans.values() if self.streams[span.stream].token is not None]
+            self.asking.cancel_all()
 
     def _wait_ms(self, now: float) -> int:
         wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
         if self.peers is not None:
-            wake = min(wake, self.peers.next_due(self._busy()))
+            wake = min(wake, self.peers.next_due(self.asking.busy()))
         return max(0, math.ceil((max(wake, now) - now) * 1000))
 
     # ------------------------------------------------------------------ streams
-
-    def _add(self, stream: Connection) -> None:
-        self.streams.append(stream)
-        self.added.append(time.monotonic())
-        self.book.add_stream(stream.peer)
-        self.poller.register(stream.socket, zmq.POLLIN)
-        self.poller.register(stream.watch.monitor, zmq.POLLIN)
 
     def _connect(self, fresh: list[NewPeer]) -> None:
         for new in fresh:
@@ -202,7 +162,7 @@ class StripedReceive:
                 logger.warning("striped receive of step %d: cannot fetch from a peer: %s", self.terms.step, exc)
                 continue
             for connection in connections:
-                self._add(connection)
+                self.lanes.add(connection)
 
     def _follow_connections(self, now: float) -> None:
         for index, stream in enumerate(self.streams):
@@ -214,102 +174,30 @@ class StripedReceive:
             if lost_for is not None and lost_for >= liveness.SETTLE_AFTER_LOSS:
                 self._drain(index, stream)  # what arrived before the connection closed still counts
                 if lost_for >= liveness.RECONNECT_GRACE:
-                    self._drop(index, stream, "connection lost")
+                    self.lanes.drop(index, "connection lost")
                 elif not stream.interrupted and not stream.gone:
                     # The DEALER reconnects by itself (a source that rebuilt its
                     # ROUTER answers again within milliseconds): its spans go to
                     # the others now, and it gets work again once it is back.
                     stream.interrupted = True
-                    self._cancel(self.book.interrupted(index))
+                    self.asking.cancel(self.book.interrupted(index))
                 continue
             stream.interrupted = False
             # A path of the source that does not connect is given up on (it may
             # never: see racing); a peer's is simply given no work until it does.
-            late = now - self.added[index] >= racing.CONNECT_BOUND
+            late = now - self.lanes.added[index] >= racing.CONNECT_BOUND
             if not state.established and late and stream.peer == SOURCE:
-                self._drop(index, stream, "did not connect")
+                self.lanes.drop(index, "did not connect")
                 continue
             self.book.connected(index, state.established and state.lost_at is None)
             owed = [span for span in self.book.outstanding(index) if not span.finished]
             silent = now - min(self.book.silent_since(s) for s in owed) if owed else 0.0
             stall = self.terms.stall_timeout
             if stall is not None and silent >= stall:
-                self._drop(index, stream, f"sent nothing for {stall:.3g} s (stall_timeout)")
+                self.lanes.drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
             elif stream.token is not None and silent >= max(QUIET_FIRST, self.book.quiet_after(index)):
                 # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
-                self._drop_peer(stream.peer, f"sent nothing for {silent:.2g} s of what it holds")
-
-    def _drop(
-        self, index: int, stream: Connection, why: str, level: int | None = None, believed: bool = True
-    ) -> None:
-        """Stop using a stream; logged at ``level`` (default: WARNING for a peer, INFO for the source).
-
-        ``believed``: a dropped peer's messages still waiting for their digest
-        are checked when it comes (it failed, it did not lie); otherwise they
-        are fetched again.
-        """
-        log_drop(stream, self.terms.step, why, level)
-        stream.gone = why
-        self.book.lost(index)
-        if self.check is not None:
-            if stream.token is None:
-                self.check.source_lost(index)
-            elif not believed:
-                self.book.rejected(self.check.relay_dropped(index))
-        with contextlib.suppress(KeyError):
-            self.poller.unregister(stream.socket)
-            self.poller.unregister(stream.watch.monitor)
-        stream.close()
-
-    def _drop_peer(self, peer: int, why: str, level: int | None = None, believed: bool = True) -> None:
-        """Fetch nothing more from ``peer`` in this receive: its spans go to the source and the others."""
-        assert self.peers is not None and peer != SOURCE
-        self.peers.drop(peer)
-        self.book.forget_peer(peer)
-        for index, stream in enumerate(self.streams):
-            if stream.peer == peer and not stream.gone:
-                self._drop(index, stream, why, level, believed)
-                level = logging.DEBUG  # named once
-
-    def _ask(self, now: float) -> None:
-        for index, stream in enumerate(self.streams):
-            if stream.gone:
-                continue
-            while (span := self.book.assign(index, random.getrandbits(63), now)) is not None:
-                logger.debug("asking %s for messages %d..%d", stream.endpoint, span.first, span.stop)
-                if not self._send(index, stream, span_request(span, self.terms, stream.token, now)):
-                    break
-        if self.inbox.duty is not None:
-            self.inbox.duty.fetching(self.book.asked())
-
-    def _ask_peers(self, now: float) -> None:
-        """Ask the peers whose turn it is what they hold, and the source who the peers are."""
-        peers = self.peers
-        if peers is None:
-            return
-        reachable = {stream.peer for stream in self.streams if not stream.gone and not stream.interrupted}
-        for peer in peers.due(now, reachable, self._busy()):
-            live = [(i, s) for i, s in enumerate(self.streams) if s.peer == peer and not s.gone]
-            # The source is asked over each of its connections in turn: each comes from one of this
-            # receiver's addresses, and the source believes this receiver's paths on those it sees.
-            index, stream = live[self._questions % len(live)] if peer == SOURCE else live[0]
-            self._questions += 1
-            xfer = random.getrandbits(63)
-            if self._send(index, stream, wire.have_request(xfer, self.terms.stage, peers.token_of(peer))):
-                peers.asking(peer, xfer, now)
-
-    def _busy(self) -> set[int]:
-        """The peers this receive still has work for (asked about less often)."""
-        assert self.peers is not None
-        return {peer for peer in self.peers.tokens if self.book.has_work_for(peer)}
-
-    def _send(self, index: int, stream: Connection, request: bytes) -> bool:
-        try:
-            stream.socket.send(request, zmq.NOBLOCK)
-        except zmq.Again:
-            self._drop(index, stream, "its connection takes no requests")
-            return False
-        return True
+                self.lanes.drop_peer(stream.peer, f"sent nothing for {silent:.2g} s of what it holds")
 
     def _idle_peers(self, done: list[Span]) -> None:
         """Spans whose rest landed from others: a peer that sent nothing for them is dropped.
@@ -322,15 +210,10 @@ class StripedReceive:
         for span in done:
             stream = self.streams[span.stream]
             if stream.token is not None and not stream.gone and self.book.did_nothing(span, now):
-                self._drop_peer(stream.peer, "sent nothing for a quiet bound, nor while others served its spans")
+                self.lanes.drop_peer(stream.peer, "sent nothing for a quiet bound, nor while others served its spans")
 
     def _check_bounds(self, now: float) -> None:
-        if all(stream.gone for stream in self.streams if stream.peer == SOURCE):
-            # Peers serve only what they have, and nothing they send can be checked without the source.
-            tried = ", ".join(f"{s.endpoint} ({s.gone or 'a peer'})" for s in self.streams)
-            stalled = all("stall" in s.gone for s in self.streams if s.peer == SOURCE)
-            message = f"every connection to the source failed mid-transfer: {tried}"
-            raise StalledError(message) if stalled else ConnectionLostError(message)
+        self.lanes.check_source()
         if now >= self.terms.deadline:
             waiting = ", ".join(s.endpoint for s in self.streams if not s.gone)
             raise TimeoutError(
@@ -341,7 +224,7 @@ class StripedReceive:
     # ------------------------------------------------------------------ messages
 
     def _drain(self, index: int, stream: Connection) -> None:
-        who = self._describe(stream)
+        who = describe(stream, self.who)
         for _ in range(DRAIN_BATCH):
             try:
                 reply = next_reply(stream.socket, who)
@@ -351,19 +234,16 @@ class StripedReceive:
             except ProtocolError as exc:
                 if stream.token is None:
                     raise  # the source's own: the receive fails
-                self._drop_peer(stream.peer, f"malformed message: {exc}", believed=False)
+                self.lanes.drop_peer(stream.peer, f"malformed message: {exc}", believed=False)
             if self.book.complete or stream.gone:
                 return
-
-    def _describe(self, stream: Connection) -> str:
-        return f"the peer at {stream.endpoint}" if stream.token is not None else f"{self.who} at {stream.endpoint}"
 
     def _handle(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
         xfer = reply.xfer
         if reply.op == wire.OP_DATA and reply.more:
             self._on_data(index, stream, reply, who)
         elif reply.op == wire.OP_END and not reply.more:
-            if xfer in self.cancelled:
+            if xfer in self.asking.cancelled:
                 return
             assert xfer is not None  # wire.decode_reply: only an error may lack an id
             try:
@@ -371,7 +251,7 @@ class StripedReceive:
             except ValueError as exc:
                 raise ProtocolError(f"{who}: {exc}") from None
             self._idle_peers(done)
-            self._cancel(done)
+            self.asking.cancel(done)
         elif reply.op == wire.OP_HAVE and not reply.more:
             self._on_have(stream, reply, who)
         elif reply.op == wire.OP_ERROR:
@@ -385,17 +265,20 @@ class StripedReceive:
 
     def _on_error(self, stream: Connection, reply: wire.Reply, who: str) -> None:
         xfer = reply.xfer
-        if xfer in self.cancelled:
+        if xfer in self.asking.cancelled:
             return
         if stream.token is not None:
             # A peer is a helper: whatever it refuses, the source or another peer serves.
             stopped = reply.code == wire.ERR_NOT_RELAYING  # it stopped serving: routine at the end of its tail
             why = f"error reply [{reply.code}] {reply.text}"
-            self._drop_peer(stream.peer, why, logging.INFO if stopped else None, believed=stopped)
+            self.lanes.drop_peer(stream.peer, why, logging.INFO if stopped else None, believed=stopped)
             return
-        if self.check is not None and self.check.asked(xfer):
+        check = self.check
+        if check is not None and check.asked(xfer):
             assert xfer is not None
-            self._no_digests(xfer, f"[{reply.code}] {reply.text}")
+            check.withdraw(xfer)
+            why = f"the source refused the digests to check it against: [{reply.code}] {reply.text}"
+            self.lanes.give_up_on_peers(why)
             return
         if self.peers is not None and self.peers.answered(xfer) is not None:
             return  # a question about the swarm the source does not answer: no more members to learn of
@@ -455,7 +338,7 @@ class StripedReceive:
             if not stream.gone:
                 algorithm = self.terms.algorithm.name if self.terms.algorithm is not None else "digest"
                 why = f"data message {verdict.seq} does not match the source's {algorithm} digest"
-                self._drop_peer(stream.peer, why, believed=False)
+                self.lanes.drop_peer(stream.peer, why, believed=False)
 
     def _count(self, seq: int, crc: int | None, index: int) -> None:
         """Message ``seq`` from stream ``index`` has landed (checked where it had to be)."""
@@ -465,23 +348,80 @@ class StripedReceive:
         stream.bytes += self.inbox.offsets[seq + 1] - self.inbox.offsets[seq]
         stream.messages += 1
 
-    def _no_digests(self, xfer: int, why: str) -> None:
-        """The source refused a digest request: nothing peers send can be checked; fetch it all from the source."""
-        assert self.check is not None and self.peers is not None
-        self.check.withdraw(xfer)
-        waiting = list(self.check.book.pending)  # held, and now never to be checked
-        for peer in list(self.peers.tokens):
-            if not self.peers.dropped(peer):
-                why_peer = f"the source refused the digests to check it against: {why}"
-                self._drop_peer(peer, why_peer, believed=False)
-        self.book.rejected(waiting)
-        self.check = None  # and no new peer is connected
 
-    def _cancel(self, spans: list[Span]) -> None:
-        """Tell the senders to stop sending spans this receive no longer needs (best effort)."""
-        for span in spans:
-            self.cancelled.add(span.xfer)
-            stream = self.streams[span.stream]
-            if not stream.gone:
-                with contextlib.suppress(zmq.ZMQError):
-                    stream.socket.send(wire.cancel_request(span.xfer), zmq.NOBLOCK)
+class Lanes:
+    """The streams of one striped receive (``streams``, shared with it) and what becomes of each.
+
+    It adds streams (to the span book and the poller) and drops them: a
+    dropped stream's spans go to the others, and a peer dropped for a lie
+    has its messages still waiting for their digest fetched again.
+    """
+
+    def __init__(self, streams: list[Connection], book: SpanBook, asking: Asking, step: int) -> None:
+        self.streams = streams
+        self.book = book
+        self.asking = asking
+        self.step = step
+        self.added: list[float] = []  # when each stream joined the receive (a peer learned of later, later)
+        self.poller = zmq.Poller()
+
+    def add(self, stream: Connection) -> None:
+        self.streams.append(stream)
+        self.added.append(time.monotonic())
+        self.book.add_stream(stream.peer)
+        self.poller.register(stream.socket, zmq.POLLIN)
+        self.poller.register(stream.watch.monitor, zmq.POLLIN)
+
+    def drop(self, index: int, why: str, level: int | None = None, believed: bool = True) -> None:
+        """Stop using stream ``index``; logged at ``level`` (default: WARNING for a peer, INFO for the source).
+
+        ``believed``: a dropped peer's messages still waiting for their digest
+        are checked when it comes (it failed, it did not lie); otherwise they
+        are fetched again.
+        """
+        stream = self.streams[index]
+        log_drop(stream, self.step, why, level)
+        stream.gone = why
+        self.book.lost(index)
+        check = self.asking.check
+        if check is not None:
+            if stream.token is None:
+                check.source_lost(index)
+            elif not believed:
+                self.book.rejected(check.relay_dropped(index))
+        with contextlib.suppress(KeyError):
+            self.poller.unregister(stream.socket)
+            self.poller.unregister(stream.watch.monitor)
+        stream.close()
+
+    def drop_peer(self, peer: int, why: str, level: int | None = None, believed: bool = True) -> None:
+        """Fetch nothing more from ``peer`` in this receive: its spans go to the source and the others."""
+        peers = self.asking.peers
+        assert peers is not None and peer != SOURCE
+        peers.drop(peer)
+        self.book.forget_peer(peer)
+        for index, stream in enumerate(self.streams):
+            if stream.peer == peer and not stream.gone:
+                self.drop(index, why, level, believed)
+                level = logging.DEBUG  # named once
+
+    def check_source(self) -> None:
+        """Raise when no connection to the source is left: peers serve only what they have, and
+        nothing they send can be checked without the source."""
+        if any(not stream.gone for stream in self.streams if stream.peer == SOURCE):
+            return
+        tried = ", ".join(f"{s.endpoint} ({s.gone or 'a peer'})" for s in self.streams)
+        stalled = all("stall" in s.gone for s in self.streams if s.peer == SOURCE)
+        message = f"every connection to the source failed mid-transfer: {tried}"
+        raise StalledError(message) if stalled else ConnectionLostError(message)
+
+    def give_up_on_peers(self, why: str) -> None:
+        """Nothing peers send can be checked (the source refused the digests): fetch it all from the source."""
+        check, peers = self.asking.check, self.asking.peers
+        assert check is not None and peers is not None
+        waiting = list(check.book.pending)  # held, and now never to be checked
+        for peer in list(peers.tokens):
+            if not peers.dropped(peer):
+                self.drop_peer(peer, why, believed=False)
+        self.book.rejected(waiting)
+        self.asking.check = None  # and no new peer is connected
