@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 from .. import wire
 from .relays import Chain, Relayed
+from .snapshot import Snapshot
 from .staged import Staged
+from .withdrawn import Withdrawals
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
 
@@ -60,7 +62,8 @@ class Transfer:
 
     peer: bytes
     xfer: int
-    staged: Staged | Relayed  # what it sends: the staged step, or a step this side relays
+    # What it sends: the staged step, a withdrawn one's snapshot, or a step this side relays.
+    staged: Staged | Snapshot | Relayed
     credit: int
     address: str
     started: float
@@ -68,6 +71,9 @@ class Transfer:
     next_seq: int = 0
     stop: int = -1  # one past the last data message to send; -1: the whole plan
     span: bool = False  # a span fetch (part of a striped receive): no header was sent
+    # Its connection holds what a disallow should wait for at most (serve/frames.py):
+    # it sends again once a frame of that connection is released.
+    paused: bool = False
 
     def __post_init__(self) -> None:
         self.first = self.next_seq
@@ -84,7 +90,7 @@ class Transfer:
 
     @property
     def sendable(self) -> bool:
-        return self.credit > 0 and not self.done and self.staged.available(self.next_seq)
+        return self.credit > 0 and not self.paused and not self.done and self.staged.available(self.next_seq)
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,7 @@ class Scheduler:
         self.stall = timeout if stall is None else min(stall, timeout)
         self.limits = limits if limits is not None else Limits()
         self.staged: Staged | None = None
+        self.withdrawals = Withdrawals(self.stall, timeout)  # also the staged step's readers
         self.transfers: dict[Key, Transfer] = {}
         self.parked: list[Parked] = []
         self.chain = Chain()  # receivers of the staged step that offered to relay
@@ -183,20 +190,24 @@ class Scheduler:
     def stage(self, staged: Staged, now: float) -> list[Action]:
         """Serve ``staged`` from now on; requests parked until now start (or are refused)."""
         self.staged = staged
+        self.withdrawals.readers.clear()
         self.chain.clear()
         return self._retry_parked(now)
 
-    def disallow(self) -> list[Action]:
-        """Stop serving: nothing is staged, and every running transfer of it ends ``disallowed``."""
+    def disallow(self, now: float, cap: int) -> tuple[int, int]:
+        """Serve the staged step to no new receive; the running ones finish (:mod:`.withdrawn`).
+
+        ``cap``: the most bytes its snapshot may take, with those still alive;
+        until the snapshot is taken (:attr:`withdrawals`, which the socket owner
+        asks what to copy), they read the caller's tensors. Returns how many
+        receives of it were running, and the bytes they may still ask for.
+        """
+        running = (0, 0)
+        if self.staged is not None:
+            running = self.withdrawals.withdraw(self.staged, self.transfers.values(), now, cap)
         self.staged = None
         self.chain.clear()
-        aborts: list[Action] = []
-        for transfer in list(self.transfers.values()):
-            if isinstance(transfer.staged, Relayed):
-                continue  # relaying is the receive's business, not the staged step's
-            message = f"step {transfer.staged.step} is no longer served"
-            aborts.append(self._abort(transfer, wire.ERR_DISALLOWED, message))
-        return aborts
+        return running
 
     def on_request(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
         key = (peer, request.xfer)
@@ -214,6 +225,12 @@ class Scheduler:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
         if request.token is not None:
             return self._start_relayed(peer, request, address, now)
+        withdrawn = self.withdrawals.find(request.stage)
+        if withdrawn is not None:  # a span fetch of a receive that was running at the disallow
+            refusal = self.withdrawals.refusal(withdrawn, request, now, busy=self._busy(peer))
+            if refusal is not None:
+                return [Refuse(peer, request.xfer, *refusal)]
+            return self._start_span(peer, request, address, now, withdrawn.source)
         if self.staged is None and request.span is not None:
             # A span fetch names a staging whose header its receiver has seen:
             # with nothing staged now, that staging was disallowed. Say so at once.
@@ -239,10 +256,12 @@ class Scheduler:
 
     def progress(self, keys: set[Key], now: float) -> None:
         """The receivers of these transfers took data (libzmq released frames queued for them)."""
-        for key in keys:
-            transfer = self.transfers.get(key)
-            if transfer is not None:
+        peers = {peer for peer, _ in keys}
+        for transfer in self.transfers.values():
+            if transfer.key in keys:
                 transfer.last_progress = now
+            if transfer.peer in peers:
+                transfer.paused = False  # its connection drains
 
     def disconnected(self, peer: bytes) -> list[Transfer]:
         """The connection of ``peer`` closed: its transfers cannot complete. Returns them, forgotten.
@@ -253,6 +272,7 @@ class Scheduler:
         for transfer in gone:
             del self.transfers[transfer.key]
         self.chain.left(peer)
+        self.withdrawals.left(peer)
         for relayed in self.relays.values():
             relayed.peers.discard(peer)  # that downstream's receive has ended
         return gone
@@ -320,9 +340,11 @@ class Scheduler:
                 message = f"no checkpoint was staged for step {parked.request.step} in time"
                 actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_STAGED, message))
         for transfer in list(self.transfers.values()):
-            if transfer.credit == 0 and now - transfer.last_progress > self.stall:
+            if (transfer.credit == 0 or transfer.paused) and now - transfer.last_progress > self.stall:
                 message = f"receiver granted no credit and took no data for {self.stall:.1f} s"
                 actions.append(self._abort(transfer, wire.ERR_STALLED, message))
+        overdue = self.withdrawals.expire(self.transfers.values(), now)
+        actions += [self._abort(t, wire.ERR_DISALLOWED, "disallowed a transport timeout ago") for t in overdue]
         return actions
 
     def shutdown(self) -> list[Action]:
@@ -336,6 +358,7 @@ class Scheduler:
         self.relay_parked = []
         self.staged = None
         self.relays.clear()
+        self.withdrawals.clear()
         return actions
 
     def wakeup_in(self, now: float) -> float:
@@ -346,6 +369,7 @@ class Scheduler:
             return REPARKED_RETRY
         deadlines = [p.deadline for p in (*self.parked, *self.relay_parked)]
         deadlines += [t.last_progress + self.stall for t in self.transfers.values()]
+        deadlines += self.withdrawals.deadlines(self.transfers.values())
         if not deadlines:
             return IDLE_WAKEUP
         return max(0.0, min(IDLE_WAKEUP, min(deadlines) - now))
@@ -376,6 +400,7 @@ class Scheduler:
         header_only = request.header_only or (order is not None and order.upstream is not None)
         header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order)
         if header_only:
+            self.withdrawals.reader(peer)  # it fetches spans as it goes
             return [header]
         transfer = Transfer(peer, request.xfer, staged, request.credit, address, started=now, last_progress=now)
         self.transfers[transfer.key] = transfer
@@ -399,16 +424,15 @@ class Scheduler:
             return [Refuse(peer, request.xfer, wire.ERR_WRONG_STEP, f"this receiver relays step {relayed.step}")]
         if request.span[1] > relayed.messages:
             return [Refuse(peer, request.xfer, wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the plan")]
-        if sum(1 for key in self.transfers if key[0] == peer) >= self.limits.transfers_per_peer:
-            return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many transfers from this peer")]
-        if len(self.transfers) >= self.limits.transfers:
-            return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
+        busy = self._busy(peer)
+        if busy is not None:
+            return [Refuse(peer, request.xfer, wire.ERR_BUSY, busy)]
         relayed.served = True
         relayed.peers.add(peer)
         return self._start_span(peer, request, address, now, relayed)
 
     def _start_span(
-        self, peer: bytes, request: wire.Request, address: str, now: float, staged: Staged | Relayed
+        self, peer: bytes, request: wire.Request, address: str, now: float, staged: Staged | Snapshot | Relayed
     ) -> list[Action]:
         """A span fetch: its data messages, then ``end``; no header (the receiver has it)."""
         assert request.span is not None
@@ -434,11 +458,16 @@ class Scheduler:
             return wire.ERR_PICKLE, message
         # Checked here, not when a request is parked: requests parked while
         # nothing was staged all start at once when a step is staged.
+        busy = self._busy(peer)
+        return (None, "") if busy is None else (wire.ERR_BUSY, busy)
+
+    def _busy(self, peer: bytes) -> str | None:
+        """Why one more transfer from ``peer`` would exceed the limits (None: it would not)."""
         if sum(1 for key in self.transfers if key[0] == peer) >= self.limits.transfers_per_peer:
-            return wire.ERR_BUSY, "too many transfers from this peer"
+            return "too many transfers from this peer"
         if len(self.transfers) >= self.limits.transfers:
-            return wire.ERR_BUSY, "too many concurrent transfers"
-        return None, ""
+            return "too many concurrent transfers"
+        return None
 
     def _abort(self, transfer: Transfer, code: str, message: str) -> Abort:
         self.transfers.pop(transfer.key, None)
