@@ -24,7 +24,16 @@ from typing import Any
 from ..lab import enter_namespace
 from .config import Knobs, Scenario
 from .methods import METHODS, Place, Receiving, RecvEnv, SendEnv, Serving, ZmqMethod
-from .payload import PeakMeter, check, make_tensors, release_free_memory, stamp, state_dict_of
+from .payload import (
+    PeakMeter,
+    check,
+    check_every_element,
+    make_tensors,
+    memcpy_seconds,
+    release_free_memory,
+    stamp,
+    state_dict_of,
+)
 
 
 def serve_commands(conn: Connection, handlers: dict[str, Callable[..., Any]]) -> None:
@@ -90,6 +99,18 @@ class SenderProcess:
     def release(self, method: str, step: int, receives: int) -> None:
         self.servings[method].release(step, receives)
 
+    def disallow(self, method: str, add: float) -> dict[str, float]:
+        """disallow_checkpoint mid-transfer (timed), then ``add`` to every tensor; also the time one
+        memcpy of what the running receives still needed takes here (issue 23's yardstick)."""
+        started = time.perf_counter()
+        said = self.servings[method].disallow()
+        seconds = time.perf_counter() - started
+        for tensor in self.tensors:
+            tensor.add_(add)
+        needed = said.get("needed", 0)
+        outcome = {"seconds": seconds, "needed_bytes": needed, "snapshot_bytes": said.get("copied", 0)}
+        return {**outcome, "memcpy_s": memcpy_seconds(self.tensors, needed)}
+
     def finish(self, method: str) -> int:
         """End the method's serving of this step; returns the sender's peak RSS growth."""
         self.servings[method].finish()
@@ -118,6 +139,7 @@ def sender_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place
             "stage": sender.stage,
             "rendezvous": sender.rendezvous,
             "release": sender.release,
+            "disallow": sender.disallow,
             "finish": sender.finish,
         }
         serve_commands(conn, handlers)
@@ -149,8 +171,9 @@ def _one_link_ideal_s(scenario: Scenario) -> float:
 class ReceiverProcess:
     """One fresh process, one method: builds its receiving side, then times its receives."""
 
-    def __init__(self, scenario: Scenario, knobs: Knobs, place: Place, rank: int) -> None:
+    def __init__(self, scenario: Scenario, knobs: Knobs, place: Place, rank: int, started: Any = None) -> None:
         self.scenario = scenario
+        self.started = started  # a multiprocessing Event set as the first receive begins (scenario.disallow)
         self.knobs = knobs
         self.place = place
         self.rank = rank
@@ -192,6 +215,10 @@ class ReceiverProcess:
         meter = PeakMeter()
         cpu_before = _cpu_seconds()
         started = time.perf_counter()
+        if self.scenario.disallow is not None:
+            if self.started is not None:
+                self.started.set()
+            return self._receive_disallowed(step, meter, cpu_before, started)
         tensors = self.receiving.receive(step)
         seconds = time.perf_counter() - started
         cpu = _cpu_seconds() - cpu_before
@@ -214,14 +241,40 @@ class ReceiverProcess:
             "duplicates": stats.get("duplicates", 0),
         }
 
+    def _receive_disallowed(self, step: int, meter: PeakMeter, cpu_before: float, started: float) -> dict[str, Any]:
+        """A receive the source disallows mid-transfer: its outcome (bit-exact, or why not), never raised."""
+        assert self.receiving is not None
+        error = ""
+        try:
+            tensors = self.receiving.receive(step)
+        except Exception as exc:  # noqa: BLE001 - the outcome is what this scenario measures
+            tensors, error = [], f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - started
+        cpu, growth = _cpu_seconds() - cpu_before, meter.growth()
+        in_place = 0
+        if not error:
+            try:
+                check_every_element(tensors, step, len(self.sizes))
+            except AssertionError as exc:
+                error = f"other bytes than staged: {exc}"
+            owned = {t.untyped_storage().data_ptr() for t in self.targets}
+            in_place = sum(1 for t in tensors if t.untyped_storage().data_ptr() in owned)
+        del tensors
+        release_free_memory()
+        stats = {} if error else self.receiving.stats()
+        outcome = {"seconds": seconds, "cpu": cpu, "rss": growth, "in_place": in_place, "resettable": meter.resettable}
+        return {**outcome, "paths": stats.get("paths", {}), "duplicates": 0, "error": error}
+
     def close(self) -> None:
         if self.receiving is not None:
             self.receiving.close()
 
 
-def receiver_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place, rank: int) -> None:
+def receiver_main(
+    conn: Connection, scenario: Scenario, knobs: Knobs, place: Place, rank: int, started: Any = None
+) -> None:
     _enter(place)
-    receiver = ReceiverProcess(scenario, knobs, place, rank)
+    receiver = ReceiverProcess(scenario, knobs, place, rank, started)
     try:
         serve_commands(conn, {"setup": receiver.setup, "go": receiver.go})
     finally:

@@ -161,6 +161,8 @@ def scenarios_from_args(args: argparse.Namespace, available: frozenset[str]) -> 
             settle = DEFAULT_SETTLE_S if total >= 64 << 20 else 0.0
         else:
             settle = scenario.settle_s
+        if scenario.disallow is not None and args.warm:
+            raise SystemExit(f"--warm does not apply to {scenario.name}: its step is withdrawn mid-transfer")
         spec = scenario.lab
         if spec is not None and args.rate is not None:
             spec = LabSpec(spec.nics, args.rate)

@@ -37,6 +37,21 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class Disallow:
+    """The source calls ``disallow_checkpoint`` mid-transfer, then mutates its tensors (issue 23).
+
+    ``at_s`` seconds after the receives start, the sender process calls it
+    (timed: how long the trainer is held), then adds ``add`` to every tensor as
+    an optimizer step would; every receiver then checks every element against
+    the staged values (a receive that fails or gets other bytes is reported,
+    not raised).
+    """
+
+    at_s: float = 0.3
+    add: float = 1.0
+
+
+@dataclass(frozen=True)
 class Scenario:
     """One benchmark configuration: what moves, to how many receivers, and how."""
 
@@ -57,6 +72,7 @@ class Scenario:
     warm: bool = False
     lab: LabSpec | None = None
     kill: Kill | None = None
+    disallow: Disallow | None = None
 
     @property
     def tensor_sizes(self) -> list[int]:
@@ -156,11 +172,27 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     return rows
 
 
-PRESETS = _with_relay_rows(_presets())
+def _with_disallow_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
+    """Issue 23: disallow_checkpoint mid-transfer, then a mutation; in the lab and on loopback (1 GiB)."""
+    mib = 1 << 20
+    methods = ("zmq-inplace", "zmq-fresh", "http-4")
+    rows = dict(presets)
+    rows["lab-disallow"] = Scenario(
+        "lab-disallow", 64 * mib, 4 * mib, methods=methods, reps=3, lab=LabSpec(), disallow=Disallow(0.3)
+    )
+    rows["disallow"] = Scenario(
+        "disallow", 1 << 30, 4 * mib, methods=methods, reps=3, settle_s=DEFAULT_SETTLE_S, disallow=Disallow(0.25)
+    )
+    return rows
+
+
+PRESETS = _with_disallow_rows(_with_relay_rows(_presets()))
 # Issue 13's rows and the one-receiver time they are compared with: ``--scenario relay``.
 RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill")
-LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)
-LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None)
+# Issue 23's rows (run only where named): ``--scenario disallow --scenario lab-disallow``.
+DISALLOW_PRESETS = ("lab-disallow", "disallow")
+LAB_PRESETS = tuple(n for n, s in PRESETS.items() if s.lab is not None and n not in DISALLOW_PRESETS)
+LOOPBACK_PRESETS = tuple(n for n, s in PRESETS.items() if s.lab is None and n not in DISALLOW_PRESETS)
 
 
 def parse_size(text: str) -> int:
