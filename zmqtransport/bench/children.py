@@ -100,16 +100,17 @@ class SenderProcess:
         self.servings[method].release(step, receives)
 
     def disallow(self, method: str, add: float) -> dict[str, float]:
-        """disallow_checkpoint mid-transfer (timed), then ``add`` to every tensor; also the time one
-        memcpy of what the running receives still needed takes here (issue 23's yardstick)."""
+        """disallow_checkpoint mid-transfer (timed), then ``add`` to every tensor (an optimizer step)."""
         started = time.perf_counter()
         said = self.servings[method].disallow()
         seconds = time.perf_counter() - started
         for tensor in self.tensors:
             tensor.add_(add)
-        needed = said.get("needed", 0)
-        outcome = {"seconds": seconds, "needed_bytes": needed, "snapshot_bytes": said.get("copied", 0)}
-        return {**outcome, "memcpy_s": memcpy_seconds(self.tensors, needed)}
+        return {"seconds": seconds, "needed_bytes": said.get("needed", 0), "snapshot_bytes": said.get("copied", 0)}
+
+    def memcpy(self, nbytes: int) -> float:
+        """Issue 23's yardstick, once the receives are done: one memcpy of ``nbytes`` into fresh memory."""
+        return memcpy_seconds(self.tensors, nbytes)
 
     def finish(self, method: str) -> int:
         """End the method's serving of this step; returns the sender's peak RSS growth."""
@@ -140,6 +141,7 @@ def sender_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place
             "rendezvous": sender.rendezvous,
             "release": sender.release,
             "disallow": sender.disallow,
+            "memcpy": sender.memcpy,
             "finish": sender.finish,
         }
         serve_commands(conn, handlers)

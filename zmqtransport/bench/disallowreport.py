@@ -5,7 +5,7 @@ slowest of the trials), what the running receives could still ask for at the
 call and what it copied for them (ZMQTransport's ``last_disallow_stats``:
 ``needed_bytes``, ``snapshot_bytes``; less is copied than needed where the
 network sends the rest meanwhile), what one memcpy of the needed bytes into
-fresh memory takes in the same process right after, and in how many trials
+fresh memory takes in the same process (once the receives are done), and in how many trials
 every receiver got the staged bytes (every element checked after the source
 added to every tensor).
 """

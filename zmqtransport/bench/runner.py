@@ -268,6 +268,8 @@ class _Run:
             with self._cut_link(method) as cut, self._disallow_during(method, started) as disallowed:
                 replies = _go(receivers, timeout, step, self.receives, scenario.kill)
             send_rss = self.sender.call(timeout, "finish", method)
+            if disallowed:  # measured here, not while the receives ran: they would have shared the cores
+                disallowed["memcpy_s"] = self.sender.call(timeout, "memcpy", disallowed["needed_bytes"])
             after = self.network.source_sent()
             _gather([r for r, runs in zip(receivers, replies, strict=True) if runs is not None], 30.0, "exit")
         finally:
