@@ -60,17 +60,23 @@ def assert_staged(got: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- the source process
 
 
-def source_main(conn: Connection, options: dict[str, Any], fake_device: bool, relay_loopback: bool) -> None:
-    """Stage the seeded state; on "disallow": disallow, add 1.0 to every tensor, report; on "exit": shut down."""
+def source_main(conn: Connection, options: dict[str, Any], device: str, relay_loopback: bool) -> None:
+    """Stage the seeded state; on "disallow": disallow, add 1.0 to every tensor, report; on "exit": shut down.
+
+    ``device``: "cpu", "fake" (every storage through the stager's fake copy engine) or "cuda".
+    """
     from zmqtransport.serve import scheduler
 
     scheduler.RELAY_LOOPBACK = relay_loopback
-    if fake_device:
+    if device == "fake":
         from zmqtransport.testing import FakeDevice
 
         options["staging"] = FakeDevice().staging(slots=4, depth=2)
     transport: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK, **options)
     state = seeded_state()
+    if device == "cuda":
+        state["weight"] = state["weight"].cuda()
+        state["small"] = [tensor.cuda() for tensor in state["small"]]
     try:
         transport.send_checkpoint([1], STEP, state, TIMEOUT)
         conn.send(transport.metadata())
@@ -93,10 +99,10 @@ def source_main(conn: Connection, options: dict[str, Any], fake_device: bool, re
 
 class Source:
     def __init__(
-        self, spawn: mp.context.SpawnContext, fake_device: bool = False, relay_loopback: bool = False, **options: Any
+        self, spawn: mp.context.SpawnContext, device: str = "cpu", relay_loopback: bool = False, **options: Any
     ) -> None:
         self.conn, child = spawn.Pipe()
-        self.process = spawn.Process(target=source_main, args=(child, options, fake_device, relay_loopback))
+        self.process = spawn.Process(target=source_main, args=(child, options, device, relay_loopback))
         self.process.start()
         child.close()
         if not self.conn.poll(60):
@@ -286,7 +292,18 @@ def test_cap_zero_waits_for_the_receive(source: Any, receivers: Any) -> None:
 
 def test_device_state_completes_from_the_snapshot(source: Any, receivers: Any) -> None:
     """The CUDA path on CPU: every storage goes through the stager's fake copy engine (testing.FakeDevice)."""
-    src = source(fake_device=True)
+    src = source(device="fake")
+    run = Receives(src)
+    (got,) = run.run([receiver(receivers, run.progress())])
+    assert_staged(got)
+    report = src.report
+    assert report is not None and report["stats"].snapshot_bytes > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run scripts/device_check.sh on one")
+def test_cuda_state_completes_from_a_host_snapshot(source: Any, receivers: Any) -> None:
+    """The source's state is on the GPU; it mutates it on the device once disallow returns."""
+    src = source(device="cuda")
     run = Receives(src)
     (got,) = run.run([receiver(receivers, run.progress())])
     assert_staged(got)
