@@ -290,20 +290,19 @@ def test_cap_zero_waits_for_the_receive(source: Any, receivers: Any) -> None:
     assert report["mutated_at"] >= run.finished_at[0] - 0.5
 
 
-def test_device_state_completes_from_the_snapshot(source: Any, receivers: Any) -> None:
-    """The CUDA path on CPU: every storage goes through the stager's fake copy engine (testing.FakeDevice)."""
-    src = source(device="fake")
-    run = Receives(src)
-    (got,) = run.run([receiver(receivers, run.progress())])
-    assert_staged(got)
-    report = src.report
-    assert report is not None and report["stats"].snapshot_bytes > 0
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run scripts/device_check.sh on one")
-def test_cuda_state_completes_from_a_host_snapshot(source: Any, receivers: Any) -> None:
-    """The source's state is on the GPU; it mutates it on the device once disallow returns."""
-    src = source(device="cuda")
+@pytest.mark.parametrize(
+    "device",
+    [
+        "fake",  # the CUDA path on CPU: every storage through the stager's fake copy engine (testing.FakeDevice)
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: scripts/device_check.sh"),
+        ),
+    ],
+)
+def test_device_state_completes_from_a_host_snapshot(source: Any, receivers: Any, device: str) -> None:
+    """The source stages device memory, and mutates it on the device once disallow returns."""
+    src = source(device=device)
     run = Receives(src)
     (got,) = run.run([receiver(receivers, run.progress())])
     assert_staged(got)

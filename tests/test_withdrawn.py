@@ -48,6 +48,24 @@ def reading(net: Net) -> bool:
     return net.scheduler.withdrawals.reading_caller_memory
 
 
+def one_running(net: Net, messages: int, credit: int, cap: int) -> None:
+    """Stage ``messages``, let receiver "a" take ``credit`` of them, then disallow with ``cap``."""
+    net.execute(net.scheduler.stage(staged(messages=messages), net.now))
+    net.request(b"a", fetch(credit=credit))
+    net.pump()
+    net.scheduler.disallow(net.now, cap=cap)
+
+
+def two_running(net: Net) -> tuple[Staged, tuple[int, int]]:
+    """Receiver "a" took 3 of 10 messages and "b" 5 when the step is disallowed (no cap)."""
+    step = staged(messages=10)
+    net.execute(net.scheduler.stage(step, net.now))
+    net.request(b"a", fetch(credit=3))
+    net.request(b"b", fetch(credit=5))
+    net.pump()
+    return step, net.scheduler.disallow(net.now, BIG)
+
+
 @pytest.fixture
 def net() -> Net:
     return Net(Scheduler(TIMEOUT, stall=STALL))
@@ -57,12 +75,8 @@ def net() -> Net:
 
 
 def test_disallow_keeps_running_transfers_and_copies_only_what_they_have_not_been_sent(net: Net) -> None:
-    step = staged(messages=10)
-    net.execute(net.scheduler.stage(step, net.now))
-    net.request(b"a", fetch(credit=3))
-    net.request(b"b", fetch(credit=5))
-    net.pump()
-    assert net.scheduler.disallow(net.now, BIG) == (2, 7)
+    step, running = two_running(net)
+    assert running == (2, 7)
     assert reading(net)  # until the copy is taken
     assert take_due(net) == [[3, 4, 5, 6, 7, 8, 9]]  # a has 0..2, b 0..4: the union of the rest
     assert not reading(net)
@@ -188,10 +202,7 @@ def test_beyond_the_cap_transfers_read_the_tensors_until_what_they_need_fits(net
 
 
 def test_a_cap_of_zero_waits_until_the_transfer_ends(net: Net) -> None:
-    net.execute(net.scheduler.stage(staged(messages=4), net.now))
-    net.request(b"a", fetch(credit=2))
-    net.pump()
-    net.scheduler.disallow(net.now, cap=0)
+    one_running(net, messages=4, credit=2, cap=0)
     assert take_due(net) == [] and reading(net)
     net.request(b"a", credit(1, 2))
     net.pump()
@@ -201,10 +212,7 @@ def test_a_cap_of_zero_waits_until_the_transfer_ends(net: Net) -> None:
 
 
 def test_the_transport_timeout_ends_what_a_disallow_still_serves(net: Net) -> None:
-    net.execute(net.scheduler.stage(staged(messages=100), net.now))
-    net.request(b"a", fetch(credit=1))
-    net.pump()
-    net.scheduler.disallow(net.now, cap=0)
+    one_running(net, messages=100, credit=1, cap=0)
     for _ in range(int(TIMEOUT / 1.0) - 1):  # slow but alive: one message a second
         net.tick(1.0)
         net.request(b"a", credit(1, 1))
@@ -216,10 +224,7 @@ def test_the_transport_timeout_ends_what_a_disallow_still_serves(net: Net) -> No
 
 
 def test_a_stalled_receive_releases_a_waiting_disallow_at_the_stall_bound(net: Net) -> None:
-    net.execute(net.scheduler.stage(staged(messages=100), net.now))
-    net.request(b"a", fetch(credit=2))
-    net.pump()
-    net.scheduler.disallow(net.now, cap=0)
+    one_running(net, messages=100, credit=2, cap=0)
     net.tick(STALL)
     assert reading(net)
     net.tick(0.01)
@@ -431,12 +436,7 @@ def test_the_copy_runs_from_the_end_and_stops_where_the_network_has_been() -> No
 
 
 def test_floors_follow_the_slowest_whole_transfer_and_stay_zero_for_readers(net: Net) -> None:
-    step = staged(messages=10)
-    net.execute(net.scheduler.stage(step, net.now))
-    net.request(b"a", fetch(credit=3))
-    net.request(b"b", fetch(credit=5))
-    net.pump()
-    net.scheduler.disallow(net.now, BIG)
+    two_running(net)
     withdrawals = net.scheduler.withdrawals
     (withdrawn, seqs), = withdrawals.due(net.scheduler.transfers.values(), net.now)
     assert withdrawn.copying and seqs == list(range(3, 10))

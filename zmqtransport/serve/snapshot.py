@@ -24,18 +24,15 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import wire
 from ..device import CopyEngine, DeviceStaging, storage_bytes
-
-if TYPE_CHECKING:
-    from .staged import Staged
+from .staged import Staged, cached_crc
 
 # Bytes copied between two looks at how far the network has got (the floor).
 BATCH_BYTES = 8 << 20
@@ -85,12 +82,7 @@ class Snapshot:
         return self.views[seq], False
 
     def crc(self, seq: int, payload: Any) -> int | None:
-        if self.checksum is None:
-            return None
-        cached = self.crcs[seq]
-        if cached is None:
-            cached = self.crcs[seq] = zlib.crc32(payload)
-        return cached
+        return cached_crc(self.checksum, self.crcs, seq, payload)
 
 
 def take(staged: Staged, seqs: Sequence[int], staging: DeviceStaging, floor: Callable[[], int]) -> Snapshot:

@@ -114,9 +114,14 @@ class Staged:
         return buffer, False
 
     def crc(self, seq: int, payload: Any) -> int | None:
-        if self.checksum is None:
-            return None
-        cached = self.crcs[seq]
-        if cached is None:
-            cached = self.crcs[seq] = zlib.crc32(payload)
-        return cached
+        return cached_crc(self.checksum, self.crcs, seq, payload)
+
+
+def cached_crc(checksum: str | None, crcs: list[int | None], seq: int, payload: Any) -> int | None:
+    """Data message ``seq``'s CRC32 (None without checksums), computed once into ``crcs``."""
+    if checksum is None:
+        return None
+    cached = crcs[seq]
+    if cached is None:
+        cached = crcs[seq] = zlib.crc32(payload)
+    return cached
