@@ -29,7 +29,8 @@ from typing import IO, Any
 import pytest
 import torch
 
-from zmqtransport import ZMQTransport, cli, tree
+from zmqtransport import ZMQTransport, cli
+from zmqtransport.codec import skeleton
 
 from .conftest import assert_same
 
@@ -380,7 +381,7 @@ def test_inspect_describes_without_transferring(peer: Peer) -> None:
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     state = build_state(3)
-    encoded = tree.encode_tree(state)
+    encoded = skeleton.encode_tree(state)
     assert info["step"] == 3
     assert info["peer"] == peer.metadata
     assert info["tensors"] == len(encoded.tensors) == 9

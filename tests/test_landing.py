@@ -12,16 +12,19 @@ import pytest
 import torch
 import zmq
 
-from zmqtransport import ProtocolError, buffers, landing, tree, wire
-from zmqtransport.landed import land, recv_exact
-from zmqtransport.landing import Fresh, FreshBounced, InArena, InPlace, InPlaceBounced, LandingOptions
+from zmqtransport import ProtocolError, buffers, wire
+from zmqtransport.codec import skeleton
+from zmqtransport.fetch import landing
+from zmqtransport.fetch.landed import land
+from zmqtransport.fetch.landing import Fresh, FreshBounced, InArena, InPlace, InPlaceBounced, LandingOptions
+from zmqtransport.fetch.replies import recv_exact
 
 MIB = 1024 * 1024
 PACK_BELOW = 64 * 1024
 
 
 def parsed_for(state: Any, pack_below: int = PACK_BELOW) -> landing.ParsedHeader:
-    encoded = tree.encode_tree(state)
+    encoded = skeleton.encode_tree(state)
     header = wire.Header(
         step=1,
         skeleton=encoded.skeleton,

@@ -628,7 +628,7 @@ def test_span_fields_round_trip_and_plain_fetch_is_unchanged() -> None:
 
 
 def relayed(messages: int = 6, token: bytes = b"T" * 16, stage: int = 99) -> Any:
-    from zmqtransport.serve.relays import Relayed
+    from zmqtransport.relayed import Relayed
 
     plan = [[wire.Piece(0, i, 1)] for i in range(messages)]
     return Relayed(STEP, stage, token, plan, views=[memoryview(bytearray(range(messages)))])
@@ -722,7 +722,7 @@ def test_span_fetch_while_nothing_is_staged_is_refused_disallowed_at_once(net: N
 
 
 def test_relayed_payload_is_a_copy_and_none_after_stop() -> None:
-    from zmqtransport.serve.relays import RelayStopped
+    from zmqtransport.relayed import RelayStopped
 
     relay = relayed(messages=3)
     relay.landed_one(0, None)

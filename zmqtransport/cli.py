@@ -41,7 +41,7 @@ import torch
 from . import wire
 from .codec import skeleton
 from .codec.dtypes import dtype_name
-from .codec.paths import format_path
+from .codec.keypaths import format_path
 from .codec.tensors import decode_tensor_table
 from .errors import TransportError
 from .net import parse_metadata
@@ -486,16 +486,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="show the library's INFO log lines")
     parser.add_argument("--debug", action="store_true", help=f"show tracebacks (also: {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_fetch(commands)
+    _add_serve(commands)
+    _add_inspect(commands)
+    commands.add_parser(
+        "bench",
+        help="benchmark ZMQTransport (arguments go to python -m zmqtransport.bench; try: bench --help)",
+        add_help=False,
+    )
+    return parser
 
-    def timeout_option(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument(
-            "--timeout",
-            type=float,
-            default=DEFAULT_TIMEOUT_S,
-            metavar="SECONDS",
-            help=f"transport timeout (default {DEFAULT_TIMEOUT_S:g})",
-        )
 
+def _timeout_option(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"transport timeout (default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+
+def _add_fetch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fetch = commands.add_parser(
         "fetch",
         help="pull a live checkpoint from a peer and torch.save it",
@@ -522,9 +534,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between progress log lines (default 2)",
     )
-    timeout_option(fetch)
+    _timeout_option(fetch)
     fetch.set_defaults(handler=cmd_fetch)
 
+
+def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = commands.add_parser(
         "serve",
         help="serve a checkpoint file to peers until SIGINT/SIGTERM",
@@ -543,9 +557,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--checksum", action="store_true", help="attach a CRC32 to every data frame")
     serve.add_argument("--metadata-file", metavar="PATH", help="also write the metadata string to PATH")
-    timeout_option(serve)
+    _timeout_option(serve)
     serve.set_defaults(handler=cmd_serve)
 
+
+def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inspect = commands.add_parser(
         "inspect",
         help="show what a peer serves (step, tensors, bytes, dtypes) without transferring tensors",
@@ -556,15 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--step", type=_positive_int, required=True, help="the step to inspect")
     inspect.add_argument("--tensors", action="store_true", help="also list every tensor (key path, dtype, shape)")
     inspect.add_argument("--json", action="store_true", help="print JSON")
-    timeout_option(inspect)
+    _timeout_option(inspect)
     inspect.set_defaults(handler=cmd_inspect)
-
-    commands.add_parser(
-        "bench",
-        help="benchmark ZMQTransport (arguments go to python -m zmqtransport.bench; try: bench --help)",
-        add_help=False,
-    )
-    return parser
 
 
 # ----------------------------------------------------------------------------- entry point

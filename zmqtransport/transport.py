@@ -1,4 +1,4 @@
-"""ZMQTransport: the CheckpointTransport facade over the sender and the receiver.
+"""ZMQTransport: the CheckpointTransport facade over the sending side (serve/) and the receiving side (fetch/).
 
 Threading contract:
 
@@ -6,8 +6,8 @@ Threading contract:
   alone uses it (:mod:`zmqtransport.serve`);
 * ``send_checkpoint`` and ``disallow_checkpoint`` may be called from any
   thread; they hand work to the serving thread and never touch its socket;
-* ``recv_checkpoint`` runs in the calling thread with a DEALER socket of its
-  own (:mod:`zmqtransport.receiver`); concurrent calls are independent;
+* ``recv_checkpoint`` runs in the calling thread with DEALER sockets of its
+  own (:mod:`zmqtransport.fetch`); concurrent calls are independent;
 * ``shutdown`` stops the serving thread and terminates the ZeroMQ context.
 """
 
@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -28,8 +27,10 @@ import zmq
 from . import security, sockets, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device
+from .fetch import FetchOptions, ProgressCallback, RelayOffer, fetch, fetch_header
+from .fetch.connection import Configure
+from .gcpause import paused_gc
 from .net import PeerAddress, advertised_hosts, parse_metadata, paths_with_ports, split_hosts
-from .receiver import FetchOptions, ProgressCallback, fetch, fetch_header, paused_gc
 from .serve import Server
 from .serve.staged import stage
 from .stats import DisallowStats, TransferStats
@@ -133,7 +134,7 @@ class ZMQTransport(CheckpointTransport[T]):
             memory queued per receiver.
         streams: connections one ``recv_checkpoint`` uses. ``None``
             (default): one per path the source advertises, so one path means
-            one connection exactly as before, and a source on several networks
+            one connection, and a source on several networks
             is read over all of them at once. ``1``: one connection, over the
             most preferred path that connects. ``N > 1``: N connections,
             spread over the paths that connect. With more than one, the data
@@ -147,7 +148,7 @@ class ZMQTransport(CheckpointTransport[T]):
             one, so the source uploads the state about once rather than once
             per receiver (docs/protocol.md, "Relays"). On by default; it
             costs this receiver its upload bandwidth while it receives, and
-            ``recv_checkpoint`` returns at most ``zmqtransport.relaying.RELAY_TAIL``
+            ``recv_checkpoint`` returns at most ``zmqtransport.fetch.relaying.RELAY_TAIL``
             (1 s) after its own data is complete, never serving from the
             received memory after it returns. ``False``: never relay, and
             fetch from the source only.
@@ -226,42 +227,50 @@ class ZMQTransport(CheckpointTransport[T]):
     ) -> None:
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
-        if type(relay) is not bool:
-            raise ValueError(f"relay={relay!r}: must be True or False")
+        _check_receiving(streams, relay)
         if snapshot_bytes is not None and (type(snapshot_bytes) is not int or snapshot_bytes < 0):
             raise ValueError(f"snapshot_bytes={snapshot_bytes!r}: must be None or an integer >= 0")
-        if streams is not None and (type(streams) is not int or not 1 <= streams <= MAX_STREAMS):
-            raise ValueError(f"streams={streams!r}: must be None (one per path) or an integer in [1, {MAX_STREAMS}]")
         bind_hosts = split_hosts(bind_host, "bind_host")
         # Chosen (and checked) before anything is acquired; the ports follow the binds.
         advertised = advertised_hosts(bind_hosts, advertise_host)
-        self._timeout = timeout
-        self._chunk_bytes = chunk_bytes
-        self._pack_below = pack_below
-        self._allow_pickle = allow_pickle
-        self._state_dict = state_dict
+        fresh_on = fresh_device(device)
+        self._timeout, self._chunk_bytes, self._pack_below = timeout, chunk_bytes, pack_below
+        self._allow_pickle, self._state_dict = allow_pickle, state_dict
         self._checksum = "crc32" if checksum else None
-        self._fetch_options = FetchOptions(
-            allow_pickle=allow_pickle,
-            window=window,
-            max_bytes=max_recv_bytes,
-            progress=progress,
-            prefault_threads=prefault_threads,
-            huge_pages=huge_pages,
-            stall_timeout=stall_seconds,
-            streams=streams,
-        )
         self._staging = staging if staging is not None else DeviceStaging()
-        self._fetch_options.device = fresh_device(device)  # before any socket exists
-        self._fetch_options.staging = self._staging
         # Resolved before any socket exists, so a bad key fails construction cleanly.
         self._curve = security.CurveSettings.resolve(
             curve_secret, curve_allowed_clients, curve_client_keypair, curve_server_keypair
         )
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
-        self._shutdown_lock = threading.Lock()
-        self._shut_down = False
+        self._shutdown_lock, self._shut_down = threading.Lock(), False
         self._zap: security.ZapHandler | None = None
+        params = self._start_server(bind_hosts, port, stall_seconds, snapshot_bytes)
+        first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
+        self._address = PeerAddress(first.host, first.port, params, tuple(more))
+        self._fetch_options = FetchOptions(
+            allow_pickle=allow_pickle,
+            window=window,
+            max_bytes=max_recv_bytes,
+            progress=progress,
+            device=fresh_on,
+            staging=self._staging,
+            huge_pages=huge_pages,
+            prefault_threads=prefault_threads,
+            stall_timeout=stall_seconds,
+            streams=streams,
+            relay=RelayOffer(self._address.to_metadata(), self._server, self._peer_options) if relay else None,
+        )
+        self.last_recv_stats: TransferStats | None = None
+        self.last_disallow_stats: DisallowStats | None = None
+
+    def _start_server(
+        self, bind_hosts: list[str], port: int, stall_seconds: float | None, snapshot_bytes: int | None
+    ) -> dict[str, str]:
+        """Bind and start serving (the ZAP handler first, with CurveZMQ); the metadata parameters.
+
+        On failure nothing stays open: the context is terminated before the error propagates.
+        """
         params: dict[str, str] = {}
         try:
             configure = None
@@ -275,7 +284,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 self._context,
                 bind_hosts,
                 port,
-                timeout.total_seconds(),
+                self._timeout.total_seconds(),
                 configure=configure,
                 staging=self._staging,
                 stall=stall_seconds,
@@ -288,14 +297,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 self._zap.close()
             sockets.terminate(self._context)
             raise
-        first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
-        self._address = PeerAddress(first.host, first.port, params, tuple(more))
-        if relay:
-            self._fetch_options.relay_at = self._address.to_metadata()
-            self._fetch_options.relay_host = self._server
-            self._fetch_options.configure_for = lambda address: self._options_for(address).configure
-        self.last_recv_stats: TransferStats | None = None
-        self.last_disallow_stats: DisallowStats | None = None
+        return params
 
     # ------------------------------------------------------------------ contract
 
@@ -315,7 +317,7 @@ class ZMQTransport(CheckpointTransport[T]):
         path of any leaf that cannot be sent.
         """
         self._check_open()
-        with paused_gc():  # see receiver.paused_gc: many tensors, no cycles
+        with paused_gc():  # many tensors, no cycles: see gcpause
             staged = stage(
                 state_dict,
                 step,
@@ -357,7 +359,8 @@ class ZMQTransport(CheckpointTransport[T]):
             src_rank,
             step,
             timeout.total_seconds(),
-            self._options_for(address),
+            self._fetch_options,
+            self._peer_options(address),
             targets,
         )
         self.last_recv_stats = stats
@@ -383,11 +386,11 @@ class ZMQTransport(CheckpointTransport[T]):
         """What the peer serves for ``step`` (tensor table, sizes), without the data."""
         self._check_open()
         address = parse_metadata(metadata)
-        options = self._options_for(address)
-        return fetch_header(self._context, address, step, timeout.total_seconds(), options)
+        options, peer_options = self._fetch_options, self._peer_options(address)
+        return fetch_header(self._context, address, step, timeout.total_seconds(), options, peer_options)
 
-    def _options_for(self, address: PeerAddress) -> FetchOptions:
-        """Fetch options for one peer: CURVE needs that peer's server key on the DEALER.
+    def _peer_options(self, address: PeerAddress) -> Configure | None:
+        """DEALER options for fetching from one peer: CURVE needs that peer's server key.
 
         Raises ``ValueError`` when the two sides disagree about CURVE: a transport
         with CURVE on never fetches in the clear, one without it cannot fetch
@@ -395,12 +398,8 @@ class ZMQTransport(CheckpointTransport[T]):
         """
         server_key = address.params.get(security.METADATA_KEY)
         if self._curve is None:
-            configure = security.client_configurator_without_settings(address.endpoint, server_key)
-        else:
-            configure = self._curve.client_configurator(address.endpoint, server_key)
-        if configure is None:
-            return self._fetch_options
-        return replace(self._fetch_options, configure=configure)
+            return security.client_configurator_without_settings(address.endpoint, server_key)
+        return self._curve.client_configurator(address.endpoint, server_key)
 
     def _in_place_targets(self) -> Any:
         """The structure to receive into, or None: a failing callable costs speed, not the heal."""
@@ -491,6 +490,13 @@ def _check_options(
         raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
     sockets.check_port(port)
     return stall_seconds
+
+
+def _check_receiving(streams: int | None, relay: bool) -> None:
+    if type(relay) is not bool:
+        raise ValueError(f"relay={relay!r}: must be True or False")
+    if streams is not None and (type(streams) is not int or not 1 <= streams <= MAX_STREAMS):
+        raise ValueError(f"streams={streams!r}: must be None (one per path) or an integer in [1, {MAX_STREAMS}]")
 
 
 def _seconds_or_none(value: timedelta | float | None) -> float | None:

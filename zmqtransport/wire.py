@@ -1,7 +1,8 @@
 """The wire format: message envelopes, the checkpoint header, and the chunk plan.
 
-Everything here is pure (no sockets) so both sides and the tests share one
-definition of the protocol. docs/protocol.md is the prose version of this file;
+Requests (:func:`decode_request`) and replies (:func:`decode_reply`) are each
+decoded in one place. Everything here is pure (no sockets) so both sides and
+the tests share one definition of the protocol. docs/protocol.md is the prose version of this file;
 keep the two in step.
 """
 
@@ -205,8 +206,8 @@ def fetch_request(
         "header_only": header_only,
     }
     if span is not None:
-        # Only span fetches carry these: a request without them is byte for
-        # byte what releases before spans sent.
+        # Only span fetches carry these, so a plain fetch stays byte for byte
+        # what a sender without span support parses.
         message["span"] = list(span)
         message["stage"] = stage
     if relay is not None:
@@ -232,14 +233,57 @@ def data_envelope(xfer: int, seq: int, crc: int | None) -> bytes:
     return pack({"v": PROTOCOL_VERSION, "op": OP_DATA, "id": xfer, "seq": seq, "crc": crc})
 
 
-def data_crc(envelope: dict[str, Any]) -> int | None:
-    """The CRC a data envelope carries, as a relay forwards it (anything but an int: none)."""
-    crc = envelope.get("crc")
-    return crc if type(crc) is int else None
-
-
 def end_reply(xfer: int) -> bytes:
     return pack({"v": PROTOCOL_VERSION, "op": OP_END, "id": xfer})
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One validated sender->receiver envelope; ``more``: frames follow it (a header body, a payload).
+
+    What a field means depends on ``op``: ``seq`` and ``crc`` of a data
+    message; ``stage`` and ``relay`` of a header; ``code`` and ``text`` of an
+    error. ``xfer`` is None only for an error reply without a usable id (a
+    sender refusing a request it could not decode answers with id 0).
+    """
+
+    op: str
+    xfer: int | None
+    more: bool
+    seq: int = -1
+    crc: int | None = None
+    stage: int | None = None
+    relay: RelayOrder | None = None
+    code: str = ""
+    text: str = ""
+
+
+def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
+    """Parse and validate one sender->receiver envelope from ``who`` (a peer's description)."""
+    message = unpack(frame, MAX_REQUEST_BYTES)
+    check_version(message, who)
+    op = message.get("op")
+    xfer = message.get("id")
+    if type(xfer) is not int or not 0 <= xfer < 2**64:
+        if op != OP_ERROR:
+            raise ProtocolError(f"a {op!r} reply without a valid transfer id from {who}")
+        xfer = None
+    if op == OP_DATA:
+        seq = message.get("seq")
+        if type(seq) is not int or not 0 <= seq < MAX_MESSAGES:
+            raise ProtocolError(f"data message number {seq!r} out of range from {who}")
+        crc = message.get("crc")
+        return Reply(op, xfer, more, seq=seq, crc=crc if type(crc) is int else None)
+    if op == OP_HEADER:
+        stage = message.get("stage")
+        if stage is not None and (type(stage) is not int or not 0 <= stage < 2**64):
+            raise ProtocolError(f"header field 'stage' must be an unsigned 64-bit integer, got {stage!r}")
+        return Reply(op, xfer, more, stage=stage, relay=decode_relay_order(message.get("relay")))
+    if op == OP_ERROR:
+        return Reply(op, xfer, more, code=str(message.get("code", "unknown")), text=str(message.get("msg", "")))
+    if op == OP_END:
+        return Reply(op, xfer, more)
+    raise ProtocolError(f"unknown reply op {op!r} from {who}")
 
 
 # ----------------------------------------------------------------------------- checkpoint header

@@ -24,7 +24,7 @@ from .config import (
     torchft_available,
 )
 from .methods import METHODS, NUMPY, TORCHFT, VARIANTS
-from .relayreport import format_paths_detail, format_relay_summary
+from .relayreport import format_link_summary, format_paths_detail, format_relay_summary
 from .report import format_result, format_targets, machine_description, to_json
 from .runner import BenchError, ScenarioResult, run_scenario
 from .targets import evaluate_targets
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenario",
         action="append",
         choices=[*PRESETS, "all", "lab", "relay"],
-        help="a preset (repeatable; 'all': every loopback preset; 'lab': every lab preset; 'relay': issue 13's "
+        help="a preset (repeatable; 'all': every loopback preset; 'lab': every lab preset; 'relay': the fan-out "
         "lab rows and the one-receiver row they compare with); sizes below override it",
     )
     parser.add_argument("--lab", action="store_true", help="run the lab presets (same as --scenario lab)")
@@ -193,8 +193,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _print_relays(results: Sequence[ScenarioResult], detail: bool) -> None:
-    """Issue 13's table (several receivers against one) and, with ``--detail``, who sent what to whom."""
-    for text in (format_relay_summary(results), format_paths_detail(results) if detail else ""):
+    """The fan-out tables (several receivers against one; each against its own link) and who sent what to whom."""
+    detailed = format_paths_detail(results) if detail else ""
+    for text in (format_relay_summary(results), format_link_summary(results), detailed):
         if text:
             print()
             print(text)

@@ -14,10 +14,27 @@ DEFAULT_RATE_MBIT = 400.0
 
 @dataclass(frozen=True)
 class LabSpec:
-    """Run a scenario in a network lab: one source host, one host per receiver."""
+    """Run a scenario in a network lab: one source host (0), one host per receiver (receiver rank r on host r).
+
+    ``host_rates``: ``(host, Mbit/s)`` pairs for hosts whose NICs run at
+    another rate than ``rate_mbit`` (mixed links: a slower port, another rack).
+    """
 
     nics: int = 1
     rate_mbit: float = DEFAULT_RATE_MBIT
+    host_rates: tuple[tuple[int, float], ...] = ()
+
+    def rate_of(self, host: int) -> float:
+        """Mbit/s of each of ``host``'s NICs, per direction."""
+        return dict(self.host_rates).get(host, self.rate_mbit)
+
+    def ideal_s(self, total_bytes: int, host: int) -> float:
+        """The time ``total_bytes`` take into ``host`` at its NICs' nominal rate (its own link's ideal)."""
+        return total_bytes / (self.nics * self.rate_of(host) * 1e6 / 8)
+
+    @property
+    def mixed(self) -> bool:
+        return any(rate != self.rate_mbit for _, rate in self.host_rates)
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,8 @@ class Scenario:
     warm: bool = False
     lab: LabSpec | None = None
     kill: Kill | None = None
+    # Receiver 1 asks this many seconds before the others (first in the source's relay chain).
+    lead_s: float = 0.0
     disallow: Disallow | None = None
 
     @property
@@ -169,6 +188,11 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-kill"] = Scenario(
         "lab-kill", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(), kill=Kill()
     )
+    # Issue 22 (mixed links): the first receiver to ask on a link 4x slower than the others'.
+    mixed = LabSpec(host_rates=((1, DEFAULT_RATE_MBIT / 4),))
+    rows["lab-mixed"] = Scenario(
+        "lab-mixed", 32 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=mixed, lead_s=0.2
+    )
     return rows
 
 
@@ -187,8 +211,8 @@ def _with_disallow_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
 
 
 PRESETS = _with_disallow_rows(_with_relay_rows(_presets()))
-# Issue 13's rows and the one-receiver time they are compared with: ``--scenario relay``.
-RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill")
+# The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
+RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed")
 # Issue 23's rows (run only where named): ``--scenario disallow --scenario lab-disallow``.
 DISALLOW_PRESETS = ("lab-disallow", "disallow")
 LAB_PRESETS = tuple(n for n, s in PRESETS.items() if s.lab is not None and n not in DISALLOW_PRESETS)

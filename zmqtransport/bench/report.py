@@ -87,6 +87,7 @@ def _title(result: ScenarioResult) -> str:
     where = "loopback"
     if scenario.lab is not None:
         where = f"lab: {scenario.receivers + 1} hosts x {scenario.lab.nics} NIC(s) at {scenario.lab.rate_mbit:g} Mbit/s"
+        where += "".join(f", host {host} at {rate:g}" for host, rate in scenario.lab.host_rates)
     return (
         f"scenario {scenario.name}: {human_bytes(scenario.total_bytes)} as {len(scenario.tensor_sizes)} float32 "
         f"tensor(s) of {human_bytes(scenario.tensor_bytes)}, {scenario.receivers} receiver(s), {where}; "

@@ -69,7 +69,8 @@ def network_for(scenario: Scenario) -> Iterator[Network]:
         yield Loopback()
         return
     spec = scenario.lab
-    with Lab(hosts=scenario.receivers + 1, nics=spec.nics, rate_mbit=spec.rate_mbit) as lab:
+    hosts = scenario.receivers + 1
+    with Lab(hosts=hosts, nics=spec.nics, rate_mbit=spec.rate_mbit, host_rates=dict(spec.host_rates)) as lab:
         yield LabNetwork(lab)
 
 
@@ -106,13 +107,21 @@ class _Child:
 
 
 def _go(
-    receivers: Sequence[_Child], timeout: float, step: int, receives: int, kill: Kill | None
+    receivers: Sequence[_Child], timeout: float, step: int, receives: int, kill: Kill | None, lead_s: float = 0.0
 ) -> list[list[Any] | None]:
     """Start every receive and collect the outcomes; None for a receiver that was killed as planned.
 
     With a :class:`Kill`, its victim starts ``lead_s`` before the others (first
     in the source's relay chain) and must die of SIGKILL, or finish first.
+    Without one, ``lead_s`` > 0 starts receiver 1 that much before the others.
     """
+    if kill is None and lead_s > 0:
+        first, *others = receivers
+        first.send("go", step, receives)
+        time.sleep(lead_s)
+        for child in others:
+            child.send("go", step, receives)
+        return [child.reply(timeout) for child in receivers]
     if kill is None:
         return list(_gather(receivers, timeout, "go", step, receives))
     victim = receivers[kill.rank - 1]
@@ -266,7 +275,7 @@ class _Run:
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
             with self._cut_link(method) as cut, self._disallow_during(method, started) as disallowed:
-                replies = _go(receivers, timeout, step, self.receives, scenario.kill)
+                replies = _go(receivers, timeout, step, self.receives, scenario.kill, scenario.lead_s)
             send_rss = self.sender.call(timeout, "finish", method)
             if disallowed:  # measured here, not while the receives ran: they would have shared the cores
                 disallowed["memcpy_s"] = self.sender.call(timeout, "memcpy", disallowed["needed_bytes"])

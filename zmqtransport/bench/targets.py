@@ -1,11 +1,11 @@
-"""The performance targets of issues 4, 12, 13, 16 and 23, checked wherever a run measured what they need."""
+"""The performance targets of issues 4, 12, 13, 16, 22 and 23, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .relayreport import RELAYING, relay_rows
+from .relayreport import RELAYING, link_rows, relay_rows
 from .runner import ScenarioResult
 
 
@@ -24,12 +24,13 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issues 4, 12, 13, 16 and 23, wherever the run measured what they need."""
+    """The performance targets of issues 4, 12, 13, 16, 22 and 23, wherever the run measured what they need."""
     return (
         _issue4_targets(results)
         + _issue12_targets(results)
         + _issue13_targets(results)
         + _issue16_targets(results)
+        + _issue22_targets(results)
         + _issue23_targets(results)
     )
 
@@ -109,6 +110,26 @@ def _issue13_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         if shape == "three":
             text = f"{row.method} source upload / state ({what})"
             targets.append(Target(row.scenario, text, row.sent_over_state, _UPLOAD_OVER_STATE, False, 13))
+    return targets
+
+
+# Issue 22 (mixed links): most seconds over a receiver's own link's ideal; most source upload over the state.
+_OWN_IDEAL_LIMIT = 1.3
+_MIXED_UPLOAD_LIMIT = 2.0
+
+
+def _issue22_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Every relaying receiver on unequal links against its own link's ideal (relayreport.link_rows)."""
+    targets: list[Target] = []
+    uploads: dict[tuple[str, str], float] = {}
+    for row in link_rows(results):
+        if row.method not in RELAYING:
+            continue
+        text = f"{row.method} r{row.rank} ({row.rate_mbit:g} Mbit/s) seconds / its own link's ideal"
+        targets.append(Target(row.scenario, text, row.times_ideal, _OWN_IDEAL_LIMIT, False, 22))
+        uploads[(row.scenario, row.method)] = row.sent_over_state
+    for (scenario, method), sent in uploads.items():
+        targets.append(Target(scenario, f"{method} source upload / state", sent, _MIXED_UPLOAD_LIMIT, False, 22))
     return targets
 
 

@@ -15,7 +15,7 @@ from ..stats import TransferStats
 from .router import Router
 from .scheduler import Abort, Action, Finish, Key, Refuse, Scheduler, SendHeader, Transfer
 
-logger = logging.getLogger("zmqtransport.sender")
+logger = logging.getLogger("zmqtransport.serve")
 
 SENT_HISTORY = 256  # finished sends remembered for sent_since()
 

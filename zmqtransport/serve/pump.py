@@ -17,12 +17,12 @@ import zmq
 
 from .. import wire
 from ..device import SendStager
+from ..relayed import RelayStopped
 from .frames import HeldFrames
-from .relays import RelayStopped
 from .router import Router
 from .scheduler import Action, Scheduler, Transfer
 
-logger = logging.getLogger("zmqtransport.sender")
+logger = logging.getLogger("zmqtransport.serve")
 
 BATCH = 64  # data messages per call before the poller is checked again
 STAGING_WAIT = 0.002  # seconds to wait for a device copy when no transfer can send

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import wire
-from .relays import Chain, Relayed
-from .snapshot import Snapshot
-from .staged import Staged
+from ..relayed import Relayed
+from .chain import Chain
+from .staged import Served, Staged
 from .withdrawn import Withdrawals
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
@@ -62,8 +62,7 @@ class Transfer:
 
     peer: bytes
     xfer: int
-    # What it sends: the staged step, a withdrawn one's snapshot, or a step this side relays.
-    staged: Staged | Snapshot | Relayed
+    staged: Served  # what it sends: the staged step, a withdrawn one's snapshot, or a step this side relays
     credit: int
     address: str
     started: float
@@ -432,7 +431,7 @@ class Scheduler:
         return self._start_span(peer, request, address, now, relayed)
 
     def _start_span(
-        self, peer: bytes, request: wire.Request, address: str, now: float, staged: Staged | Snapshot | Relayed
+        self, peer: bytes, request: wire.Request, address: str, now: float, staged: Served
     ) -> list[Action]:
         """A span fetch: its data messages, then ``end``; no header (the receiver has it)."""
         assert request.span is not None

@@ -40,18 +40,18 @@ import zmq
 from .. import wire
 from ..device import DeviceStaging, SendStager
 from ..errors import ProtocolError
+from ..relayed import Relayed
 from ..stats import DisallowStats, TransferStats
 from .disallows import Disallows, SnapshotTaken
 from .frames import HeldFrames
 from .outbox import Outbox, SentLog
 from .pump import DataPump
-from .relays import Relayed
 from .router import Configure, Router
 from .scheduler import Refuse, Scheduler
 from .staged import Staged
 
-# The sending side logs under one name, as it did before it was split in modules.
-logger = logging.getLogger("zmqtransport.sender")
+# The sending side logs under one name (the receiving side: "zmqtransport.fetch").
+logger = logging.getLogger("zmqtransport.serve")
 
 # Seconds.
 DISALLOW_POLL = 0.005  # how often a waiting disallow checks the zero-copy frames
@@ -375,6 +375,3 @@ class Server:
         self._disallows.close(SHUTDOWN_FRAME_WAIT)
         self._held.release_waiters()
         self._wake.close()
-
-
-__all__ = ["Server", "Staged"]

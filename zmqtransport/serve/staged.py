@@ -10,7 +10,7 @@ import ctypes
 import random
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import wire
 from ..codec.skeleton import encode_tree
@@ -19,6 +19,43 @@ from ..device import prepare_send
 if TYPE_CHECKING:
     from ..codec.tensors import EncodedTree
     from ..device import DeviceStaging, SendPlan
+
+
+class Served(Protocol):
+    """What a transfer sends from: a staged step (:class:`Staged`), a withdrawn one's copy, or a step this side relays.
+
+    The scheduler and the data pump read only this, so a relayed step
+    (:class:`zmqtransport.relayed.Relayed`) and the copy a disallow leaves
+    running receives (:class:`zmqtransport.serve.snapshot.Snapshot`) are served
+    by the same machinery.
+    """
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def messages(self) -> int: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+    @property
+    def tensor_count(self) -> int: ...
+
+    @property
+    def device_plan(self) -> SendPlan | None: ...
+
+    def available(self, seq: int) -> bool:
+        """Whether data message ``seq`` can be sent now (a relay's only once it has landed)."""
+        ...
+
+    def span_bytes(self, first: int, stop: int) -> int: ...
+
+    def payload(self, seq: int) -> tuple[Any, bool]:
+        """The bytes of data message ``seq``, and whether they reference the served memory (zero-copy)."""
+        ...
+
+    def crc(self, seq: int, payload: Any) -> int | None: ...
 
 
 def stage(

@@ -38,14 +38,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from .. import wire
 from .snapshot import Snapshot
-from .staged import Staged
+from .staged import Served, Staged
 
-if TYPE_CHECKING:
-    from .scheduler import Transfer
+
+class Transfer(Protocol):
+    """What this module reads of a running transfer (serve/scheduler.py's ``Transfer``)."""
+
+    staged: Served  # what it sends from: switched to the snapshot once it is taken
+    span: bool
+    next_seq: int
+    stop: int
+    last_progress: float
+
+    @property
+    def done(self) -> bool: ...
+
+
+T = TypeVar("T", bound=Transfer)
 
 # Seconds between looks at a staging still served from the caller's tensors
 # (beyond the cap): whether what its receives may need fits the cap by now.
@@ -208,10 +221,10 @@ class Withdrawals:
         for withdrawn in self.by_stage.values():
             withdrawn.readers.discard(peer)
 
-    def expire(self, transfers: Iterable[Transfer], now: float) -> list[Transfer]:
+    def expire(self, transfers: Iterable[T], now: float) -> list[T]:
         """Forget readers gone quiet and stagings nobody receives; returns transfers past the timeout."""
         running = list(transfers)
-        overdue: list[Transfer] = []
+        overdue: list[T] = []
         for stage_id, withdrawn in list(self.by_stage.items()):
             mine = [t for t in running if withdrawn.serves(t)]
             if now - withdrawn.since >= self.timeout:

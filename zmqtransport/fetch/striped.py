@@ -3,7 +3,7 @@
 The header has arrived (over the first connection, from a sender that serves
 span fetches: docs/protocol.md, "Spans") and the landing plan is carried out.
 Here one thread, the receiving one, owns every DEALER: it asks each connected
-stream for spans as :class:`~zmqtransport.spans.SpanBook` hands them out,
+stream for spans as :class:`~.spans.SpanBook` hands them out,
 lands each data message as it comes (on whichever stream), and notices
 streams that are lost (their connection closed) or stalled (silent for the
 stall bound while they owe data), whose work goes to the others. It fails only
@@ -14,24 +14,24 @@ integrity error.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
-from . import liveness, paths, wire
-from .errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
-from .landed import discard_rest
-from .net import Path
+from .. import wire
+from ..errors import ConnectionLostError, ProtocolError, StalledError
+from . import liveness, racing
+from .connection import Connection
+from .inbox import Inbox
+from .replies import discard_rest, next_reply, refusal
 from .spans import SPAN_BYTES, Span, SpanBook
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("zmqtransport.fetch")
 
 # How long one wait may last before streams are checked again (connections
 # coming up, takeovers due), when nothing else wakes the loop sooner.
@@ -39,32 +39,10 @@ CHECK_EVERY = 0.1
 # Messages taken from one stream before the others get a turn.
 DRAIN_BATCH = 32
 
-# Lands data message ``seq`` (its envelope already read) from ``socket``; returns its bytes.
-LandFn = Callable[[zmq.Socket[Any], int, dict[str, Any]], memoryview]
 
-
-@dataclass
-class Stream:
-    """One connection of a striped receive: a DEALER to one of the source's paths."""
-
-    path: Path
-    socket: zmq.Socket[Any]
-    watch: liveness.SourceWatch
-    token: bytes | None = None  # a relay's: shown in every span fetch (docs/protocol.md, "Relays")
-    interrupted: bool = False  # its connection dropped; given RECONNECT_GRACE to come back
-    standby: bool = False  # the source while a relay serves: used when the relay cannot be
-    bytes: int = 0  # landed from this stream
-    messages: int = 0
-    gone: str = ""  # why it was dropped ("" while in use)
-
-    def close(self) -> None:
-        self.watch.close()
-        self.socket.close(linger=0)
-
-
-@dataclass
-class Request:
-    """What every span fetch of this receive shares."""
+@dataclass(frozen=True)
+class SpanTerms:
+    """What every span fetch of one receive shares."""
 
     step: int
     stage: int
@@ -79,30 +57,22 @@ def span_messages(chunk_bytes: int) -> int:
 
 
 class StripedReceive:
-    """Receives every data message of a plan over ``streams``; the calling thread owns them all."""
+    """Receives every data message of ``inbox``'s plan over ``streams``; the calling thread owns them all.
 
-    def __init__(
-        self,
-        streams: Sequence[Stream],
-        plan: list[list[wire.Piece]],
-        request: Request,
-        land: LandFn,
-        span: int,
-        progress: Callable[[int, int], None] | None = None,
-    ) -> None:
+    ``who`` names the source in errors (its rank, where the caller gave one).
+    """
+
+    def __init__(self, streams: Sequence[Connection], inbox: Inbox, terms: SpanTerms, span: int, who: str) -> None:
         self.streams = list(streams)
-        self.plan = plan
-        self.request = request
-        self.land = land
-        self.progress = progress
-        self.offsets = list(itertools.accumulate((wire.chunk_length(p) for p in plan), initial=0))
+        self.inbox = inbox
+        self.terms = terms
+        self.who = who
+        self.messages = len(inbox.plan)
         standby = frozenset(i for i, stream in enumerate(self.streams) if stream.standby)
-        self.book = SpanBook(len(plan), len(self.streams), span, standby=standby)
+        self.book = SpanBook(self.messages, len(self.streams), span, standby=standby)
         self.started = time.monotonic()
-        self.landed_bytes = 0
         self.duplicates = 0  # messages that landed twice (the second copy dropped)
         self.cancelled: set[int] = set()
-        self._on_landed: Callable[[int, int | None], None] | None = None
         self.poller = zmq.Poller()
         for stream in self.streams:
             self.poller.register(stream.socket, zmq.POLLIN)
@@ -110,9 +80,8 @@ class StripedReceive:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, on_landed: Callable[[int, int | None], None] | None = None) -> None:
-        """Until every message has landed; ``on_landed(seq, crc)`` after each message lands."""
-        self._on_landed = on_landed
+    def run(self) -> None:
+        """Until every message has landed."""
         try:
             while not self.book.complete:
                 now = time.monotonic()
@@ -125,16 +94,9 @@ class StripedReceive:
                         self._drain(index, stream)
         finally:
             self._cancel(list(self.book.spans.values()))
-            # The callback usually refers to its owner, which refers to this
-            # run: dropping it spares a garbage collection of the whole header.
-            self._on_landed = None
-
-    def prefix_bytes(self) -> int:
-        """Bytes of the plan, from the first, that have all landed."""
-        return self.offsets[self.book.prefix()]
 
     def _wait_ms(self, now: float) -> int:
-        wake = min(self.request.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
+        wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
         return max(0, math.ceil((wake - now) * 1000))
 
     # ------------------------------------------------------------------ streams
@@ -158,17 +120,17 @@ class StripedReceive:
                     self._cancel(self.book.interrupted(index))
                 continue
             stream.interrupted = False
-            if not state.established and now - self.started >= paths.CONNECT_BOUND:
+            if not state.established and now - self.started >= racing.CONNECT_BOUND:
                 self._drop(index, stream, "did not connect")
                 continue
             self.book.connected(index, state.established and state.lost_at is None)
             owed = [span for span in self.book.outstanding(index) if not span.finished]
-            stall = self.request.stall_timeout
+            stall = self.terms.stall_timeout
             if owed and stall is not None and now - min(self.book.silent_since(s) for s in owed) >= stall:
                 self._drop(index, stream, f"sent nothing for {stall:.3g} s (stall_timeout)")
 
-    def _drop(self, index: int, stream: Stream, why: str) -> None:
-        logger.info("striped receive of step %d: dropping %s (%s)", self.request.step, stream.path.endpoint, why)
+    def _drop(self, index: int, stream: Connection, why: str) -> None:
+        logger.info("striped receive of step %d: dropping %s (%s)", self.terms.step, stream.endpoint, why)
         stream.gone = why
         self.book.lost(index)
         with contextlib.suppress(KeyError):
@@ -177,19 +139,20 @@ class StripedReceive:
         stream.close()
 
     def _ask(self, now: float) -> None:
+        terms = self.terms
         for index, stream in enumerate(self.streams):
             if stream.gone:
                 continue
             while (span := self.book.assign(index, random.getrandbits(63), now)) is not None:
-                wait_ms = max(0, int((self.request.deadline - now) * 1000))
+                wait_ms = max(0, int((terms.deadline - now) * 1000))
                 fetch = wire.fetch_request(
                     span.xfer,
-                    self.request.step,
+                    terms.step,
                     wait_ms,
                     span.stop - span.first,
-                    self.request.accept_pickle,
+                    terms.accept_pickle,
                     span=(span.first, span.stop),
-                    stage=self.request.stage,
+                    stage=terms.stage,
                     token=stream.token,
                 )
                 try:
@@ -200,85 +163,75 @@ class StripedReceive:
 
     def _check_bounds(self, now: float) -> None:
         if all(stream.gone for stream in self.streams):
-            tried = ", ".join(f"{s.path.endpoint} ({s.gone})" for s in self.streams)
+            tried = ", ".join(f"{s.endpoint} ({s.gone})" for s in self.streams)
             stalled = all("stall" in s.gone for s in self.streams)
             message = f"every connection to the source failed mid-transfer: {tried}"
             raise StalledError(message) if stalled else ConnectionLostError(message)
-        if now >= self.request.deadline:
-            waiting = ", ".join(s.path.endpoint for s in self.streams if not s.gone)
+        if now >= self.terms.deadline:
+            waiting = ", ".join(s.endpoint for s in self.streams if not s.gone)
             raise TimeoutError(
-                f"recv_checkpoint timed out waiting for {self.book.missing} of {len(self.plan)} data messages "
-                f"(step {self.request.step}) over {waiting}"
+                f"recv_checkpoint timed out waiting for {self.book.missing} of {self.messages} data messages "
+                f"(step {self.terms.step}) over {waiting}"
             )
 
     # ------------------------------------------------------------------ messages
 
-    def _drain(self, index: int, stream: Stream) -> None:
+    def _drain(self, index: int, stream: Connection) -> None:
+        who = self._describe(stream)
         for _ in range(DRAIN_BATCH):
-            try:
-                frame = stream.socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            reply = next_reply(stream.socket, who)
+            if reply is None:
                 return
-            self._handle(index, stream, frame)
+            self._handle(index, stream, reply, who)
             if self.book.complete or stream.gone:
                 return
 
-    def _handle(self, index: int, stream: Stream, frame: bytes) -> None:
-        message = wire.unpack(frame, wire.MAX_REQUEST_BYTES)
-        wire.check_version(message, f"the sender at {stream.path.endpoint}")
-        op, xfer = message.get("op"), message.get("id")
-        if type(xfer) is not int:
-            discard_rest(stream.socket)
-            raise ProtocolError(f"a reply without a transfer id from {stream.path.endpoint}")
-        more = bool(stream.socket.getsockopt(zmq.RCVMORE))
-        if op == wire.OP_DATA and more:
-            self._on_data(index, stream, message, xfer)
-        elif op == wire.OP_END and not more:
+    def _describe(self, stream: Connection) -> str:
+        return f"the relay at {stream.endpoint}" if stream.token is not None else f"{self.who} at {stream.endpoint}"
+
+    def _handle(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
+        xfer = reply.xfer
+        if reply.op == wire.OP_DATA and reply.more:
+            self._on_data(index, stream, reply, who)
+        elif reply.op == wire.OP_END and not reply.more:
             if xfer in self.cancelled:
                 return
+            assert xfer is not None  # wire.decode_reply: only an error may lack an id
             try:
                 self._cancel(self.book.on_end(xfer))
             except ValueError as exc:
-                raise ProtocolError(f"{stream.path.endpoint}: {exc}") from None
-        elif op == wire.OP_ERROR:
+                raise ProtocolError(f"{who}: {exc}") from None
+        elif reply.op == wire.OP_ERROR:
             discard_rest(stream.socket)
             if xfer in self.cancelled:
                 return
-            code, text = str(message.get("code", "unknown")), str(message.get("msg", ""))
-            if code == wire.ERR_NOT_RELAYING and stream.token is not None:
+            if reply.code == wire.ERR_NOT_RELAYING and stream.token is not None:
                 # A relay that cannot (or no longer) serve: the source or another relay will.
-                self._drop(index, stream, f"relay: {text}")
+                self._drop(index, stream, f"relay: {reply.text}")
                 return
-            if code == wire.ERR_NOT_STAGED:
-                raise TimeoutError(f"recv_checkpoint timed out: the source at {stream.path.endpoint} staged nothing")
-            raise RemoteError(code, f"the peer at {stream.path.endpoint}: {text}")
+            raise refusal(reply, who, self.terms.step)
         else:
             discard_rest(stream.socket)
-            raise ProtocolError(f"unexpected {op!r} message from {stream.path.endpoint} in a striped receive")
+            raise ProtocolError(f"unexpected {reply.op!r} message from {who} in a striped receive")
 
-    def _on_data(self, index: int, stream: Stream, message: dict[str, Any], xfer: int) -> None:
-        seq = message.get("seq")
-        if type(seq) is not int or not 0 <= seq < len(self.plan):
+    def _on_data(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
+        seq = reply.seq
+        if seq >= self.messages:
             discard_rest(stream.socket)
-            raise ProtocolError(f"data message number {seq!r} out of range from {stream.path.endpoint}")
+            raise ProtocolError(f"data message number {seq} out of range from {who}")
+        assert reply.xfer is not None  # wire.decode_reply: only an error may lack an id
         try:
-            fresh = self.book.on_data(xfer, seq, time.monotonic())
+            fresh = self.book.on_data(reply.xfer, seq, time.monotonic())
         except ValueError as exc:
             discard_rest(stream.socket)
-            raise ProtocolError(f"{stream.path.endpoint}: {exc}") from None
+            raise ProtocolError(f"{who}: {exc}") from None
         if not fresh:
             # A duplicate (the rest of a span taken over) or a cancelled span's: dropped.
             discard_rest(stream.socket)
             self.duplicates += fresh is False
             return
-        payload = self.land(stream.socket, seq, message)
-        stream.bytes += len(payload)
+        stream.bytes += self.inbox.land(stream.socket, reply, who)
         stream.messages += 1
-        self.landed_bytes += len(payload)
-        if self._on_landed is not None:
-            self._on_landed(seq, wire.data_crc(message))
-        if self.progress is not None:
-            self.progress(self.landed_bytes, self.offsets[-1])
 
     def _cancel(self, spans: list[Span]) -> None:
         """Tell the source to stop sending spans this receive no longer needs (best effort)."""

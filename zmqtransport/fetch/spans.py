@@ -15,7 +15,7 @@ again on a live one, and whichever copy of a message lands first counts
 both copies come from the same staging). A stream declared lost gives its
 unfinished spans back to the queue.
 
-:class:`SpanBook` is pure (explicit ``now``, no zmq); ``zmqtransport.striped``
+:class:`SpanBook` is pure (explicit ``now``, no zmq); :mod:`.striped`
 carries its decisions out on the sockets.
 """
 
