@@ -13,7 +13,8 @@ sending from the tensors (the caller waits, so they do not change): it copies
 from the last message backwards, and stops where every transfer that needs the
 copy has already been sent (``floor``), so the copy and the network meet in
 the middle instead of the network waiting for the copy. Host storages are
-copied with ``memmove`` (no GIL, one core: the other keeps sending); device
+copied with ``memmove`` (no GIL, one core: the other keeps sending), each batch
+of fresh memory faulted in first with one ``madvise``; device
 (CUDA) storages through copy engines of its own (after the producer markers)
 into a buffer from :attr:`DeviceStaging.host_buffer` (pinned: DMA). It returns
 once every byte it holds is in place.
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import wire
+from .. import buffers, wire
 from ..device import CopyEngine, DeviceStaging, storage_bytes
 from .staged import Staged, cached_crc
 
@@ -38,6 +39,7 @@ from .staged import Staged, cached_crc
 BATCH_BYTES = 8 << 20
 
 Engines = dict[torch.device, CopyEngine]  # the copy's own, one per device
+PAGE = buffers.PAGE
 # What a snapshot may take when the transport sets no cap: this share of the
 # memory the kernel reports available at the moment of the disallow.
 DEFAULT_CAP_SHARE = 0.25
@@ -104,7 +106,10 @@ def take(staged: Staged, seqs: Sequence[int], staging: DeviceStaging, floor: Cal
         wanted = [seq for seq in batch if seq >= lowest]
         if not wanted:
             break
-        _copy(buffer, staged, plan_runs(staged.plan, wanted, at=offsets[wanted[0]]), staging, engines)
+        at = offsets[wanted[0]]
+        if device is None:
+            _populate(buffer, at, offsets[wanted[-1]] + sizes[wanted[-1]])
+        _copy(buffer, staged, plan_runs(staged.plan, wanted, at=at), staging, engines)
         copied += wanted
     whole = owning_view(buffer)
     views = {seq: whole[offsets[seq] : offsets[seq] + sizes[seq]] for seq in copied}
@@ -119,6 +124,21 @@ def take(staged: Staged, seqs: Sequence[int], staging: DeviceStaging, floor: Cal
         staged.total_bytes,
         staged.tensor_count,
     )
+
+
+def _populate(buffer: torch.Tensor, start: int, stop: int) -> None:
+    """Fault bytes [start, stop) of fresh ``buffer`` in at once, before they are copied into.
+
+    The kernel's MADV_POPULATE_WRITE maps a range in one call, without a trap
+    per page: measured on a 2-vCPU VM, 512 MiB copied into fresh memory in
+    190 ms this way against 225-280 ms faulting page by page. Where the kernel
+    lacks it (before Linux 5.14) the copy takes the faults, as it would anyway.
+    """
+    base = buffer.data_ptr()
+    first = (base + start + PAGE - 1) // PAGE * PAGE
+    last = (base + stop) // PAGE * PAGE
+    if last > first:
+        buffers._madvise()(first, last - first, buffers.MADV_POPULATE_WRITE)  # drops the GIL; a failure is harmless
 
 
 def _batches_from_the_end(seqs: Sequence[int], sizes: dict[int, int]) -> Iterator[list[int]]:
