@@ -205,7 +205,7 @@ def _with_disallow_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
         "lab-disallow", 64 * mib, 4 * mib, methods=methods, reps=3, lab=LabSpec(), disallow=Disallow(0.3)
     )
     rows["disallow"] = Scenario(
-        "disallow", 1 << 30, 4 * mib, methods=methods, reps=3, settle_s=DEFAULT_SETTLE_S, disallow=Disallow(0.25)
+        "disallow", 1 << 30, 4 * mib, methods=methods, reps=3, settle_s=DEFAULT_SETTLE_S, disallow=Disallow(0.1)
     )
     return rows
 
