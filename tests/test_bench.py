@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -316,14 +317,54 @@ def test_issue13_targets_compare_several_receivers_with_one_in_the_same_run() ->
     summary = format_relay_summary([one, three, seven, killed, other_rate])
     rows = {tuple(line.split()[:2]): line.split() for line in summary.splitlines()[2:]}
     # zmq-norelay has no one-receiver row of its own: it is compared with zmq-fresh's.
-    assert rows[("lab-1to3", "zmq-norelay")][4:] == ["4.200", "1.400", "(zmq-fresh)", "3.00", "1.02"]
-    assert rows[("lab-1to3", "http-4")][4:] == ["4.200", "1.400", "3.00", "1.02"]
+    assert rows[("lab-1to3", "zmq-norelay")][4:] == ["-", "4.200", "1.400", "(zmq-fresh)", "3.00", "1.02"]
+    assert rows[("lab-1to3", "http-4")][4:] == ["-", "4.200", "1.400", "3.00", "1.02"]
     assert ("other", "zmq-fresh") not in rows  # no one-receiver row at its rate
     assert host_label("tcp://10.77.0.1:5000") == "src" and host_label("tcp://10.77.0.4:1") == "r3"
     assert host_label("tcp://127.0.0.1:5") == "127.0.0.1"
     detail = format_paths_detail([killed])
     assert "[lab-kill] zmq-fresh trial 0 (killed: r1): source sent 64.0 MiB" in detail
     assert "r2 1.50 s <- r3 64.0; r3 1.60 s <- src 40.0, r1 24.0" in detail
+
+
+def test_issue21_targets_compare_a_rogue_relay_with_the_clean_fan_out() -> None:
+    from zmqtransport.bench.config import Rogue
+    from zmqtransport.bench.relayreport import format_relay_summary
+    from zmqtransport.bench.targets import evaluate_targets
+
+    one = _relay_result("lab-1to1", 1, {"zmq-fresh": 1.4}, 1.0)
+    three = _relay_result("lab-1to3", 3, {"zmq-fresh": 1.6}, 1.02)
+    flip = _relay_result("lab-rogue-flip", 3, {"zmq-fresh": 2.4}, 1.9)
+    silent = _relay_result("lab-rogue-silent", 3, {"zmq-fresh": 3.5}, 2.0)
+    for result, mode in ((flip, "flip"), (silent, "silent")):
+        result.scenario = replace(result.scenario, rogue=Rogue(mode), lead_s=0.2)
+    targets = [t for t in evaluate_targets([one, three, flip, silent]) if t.issue == 21]
+    verdicts = {(t.scenario, t.text): (round(t.measured, 2), t.limit, t.holds) for t in targets}
+    assert verdicts == {
+        ("lab-rogue-flip", "zmq-fresh slowest honest / clean fan-out slowest (rogue relay: flip)"): (1.5, 2.0, True),
+        ("lab-rogue-silent", "zmq-fresh slowest honest / clean fan-out slowest (rogue relay: silent)"): (
+            2.19,
+            2.0,
+            False,
+        ),
+    }
+    # Issue 13's targets leave the rogue rows alone; the relay table names the rogue's mode.
+    assert not [t for t in evaluate_targets([one, three, flip]) if t.issue == 13 and "rogue" in t.scenario]
+    rows = {line.split()[0]: line.split() for line in format_relay_summary([one, three, flip]).splitlines()[2:]}
+    assert rows["lab-rogue-flip"][4] == "flip" and rows["lab-1to3"][4] == "-"
+
+
+def test_rogue_presets_are_chosen_together() -> None:
+    args = bench.build_parser().parse_args(["--scenario", "rogue"])
+    scenarios = bench.scenarios_from_args(args, available=frozenset({"torchft"}))
+    assert [(s.name, s.rogue.mode if s.rogue else None) for s in scenarios] == [
+        ("lab-1to1", None),
+        ("lab-1to3", None),
+        ("lab-rogue-flip", "flip"),
+        ("lab-rogue-error", "error"),
+        ("lab-rogue-silent", "silent"),
+        ("lab-rogue-shutdown", "shutdown"),
+    ]
 
 
 def test_relay_presets_are_chosen_together() -> None:

@@ -367,7 +367,7 @@ def test_prefaulter_stops_started_workers_when_another_cannot_start(monkeypatch:
     monkeypatch.setattr(buffers.threading, "Thread", SecondFails)
     # Fake addresses: the patched madvise never touches them.
     regions = [(0, 1 << 30, 64 * buffers.PREFAULT_PIECE)]
-    expect_error(lambda: buffers.Prefaulter(regions, threads=2), RuntimeError)
+    expect_error(lambda: buffers.Prefaulter(regions, threads=2, plan=buffers.PrefaultPlan()), RuntimeError)
     assert started and not started[0].is_alive(), "a prefault worker outlived the failed construction"
 
 

@@ -159,14 +159,13 @@ def test_readers_leave_when_their_connection_closes_or_nothing_moves_for_the_sta
     assert net.ops(b"q2")[-1] == ("error", wire.ERR_DISALLOWED)
 
 
-def test_a_relay_chains_downstream_is_kept_while_its_upstream_receives(
-    net: Net, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(net.scheduler, "relay_loopback", True)
+def test_a_relay_chains_downstream_is_kept_while_its_upstream_receives(net: Net) -> None:
     step = staged(messages=10)
     net.execute(net.scheduler.stage(step, net.now))
-    net.request(b"head", fetch(credit=2, relay="tcp://head:1"))
-    net.request(b"down", fetch(xfer=2, relay="tcp://down:1"))  # sent to the head: the header alone
+    for peer, xfer, host in ((b"head", 1, "10.0.0.1"), (b"down", 2, "10.0.0.2")):
+        # Each offers to relay at its own address and verifies what relays send: "down" is sent to "head".
+        offer = fetch(xfer=xfer, credit=2, relay=f"tcp://{host}:1", verify=("sha256",))
+        net.execute(net.scheduler.on_request(peer, offer, host, net.now))
     net.pump()
     assert net.ops(b"down") == [("header", None), ("end", None)]
     assert net.scheduler.disallow(net.now, BIG) == (2, 10)  # the downstream may ask for anything
@@ -180,6 +179,10 @@ def test_a_relay_chains_downstream_is_kept_while_its_upstream_receives(
     net.request(b"down", span(9, 5, 10, step.stage_id))
     net.pump()
     assert net.data(b"down", 9) == [5, 6, 7, 8, 9]
+    # And for the source's digests of what its relay sent (serve/digests.py hashes the copy).
+    net.request(b"down", span(10, 0, 5, step.stage_id, digests_only=True, verify=("sha256",)))
+    digests = net.scheduler.transfers[(b"down", 10)]
+    assert digests.digests_only and isinstance(digests.staged, Snapshot)
 
 
 # ----------------------------------------------------------------------------- the cap, the timeout, stalls

@@ -27,8 +27,9 @@ import zmq
 from . import security, sockets, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device
-from .fetch import FetchOptions, ProgressCallback, RelayOffer, fetch, fetch_header
+from .fetch import FetchOptions, ProgressCallback, Published, RelayOffer, fetch, fetch_digests, fetch_header
 from .fetch.connection import Configure
+from .fetch.options import VERIFY_CHOICES
 from .gcpause import paused_gc
 from .net import PeerAddress, advertised_hosts, parse_metadata, paths_with_ports, split_hosts
 from .serve import Server
@@ -152,6 +153,18 @@ class ZMQTransport(CheckpointTransport[T]):
             (1 s) after its own data is complete, never serving from the
             received memory after it returns. ``False``: never relay, and
             fetch from the source only.
+        verify: which received bytes are checked against the strong digests
+            (SHA-256, or BLAKE3 with the ``blake3`` extra on both sides) that
+            the source publishes over this receiver's own connection to it
+            (docs/protocol.md, "Digests"). ``"relayed"`` (default): every
+            message a relay sends; a relay whose bytes do not match, or that
+            answers anything but good data, is dropped for the receive (a
+            WARNING names it) and its part is fetched again, so a modified peer
+            that offered to relay changes nothing. ``"all"``: the source's own
+            messages too (end-to-end, against corruption anywhere on the way;
+            costs the source and the receiver one hash pass each, see
+            README). A source that publishes no digests (an earlier release)
+            is never relayed from; ``"all"`` refuses to receive from it.
         allow_pickle: send objects that have no pickle-free encoding as pickle,
             and accept pickled objects when receiving. Off by default: a peer's
             pickle can run arbitrary code. Both sides must opt in.
@@ -210,6 +223,7 @@ class ZMQTransport(CheckpointTransport[T]):
         window: int = DEFAULT_WINDOW,
         streams: int | None = None,
         relay: bool = True,
+        verify: str = "relayed",
         allow_pickle: bool = False,
         state_dict: Callable[[], T] | None = None,
         checksum: bool = False,
@@ -227,7 +241,7 @@ class ZMQTransport(CheckpointTransport[T]):
     ) -> None:
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
-        _check_receiving(streams, relay)
+        _check_receiving(streams, relay, verify)
         if snapshot_bytes is not None and (type(snapshot_bytes) is not int or snapshot_bytes < 0):
             raise ValueError(f"snapshot_bytes={snapshot_bytes!r}: must be None or an integer >= 0")
         bind_hosts = split_hosts(bind_host, "bind_host")
@@ -260,6 +274,7 @@ class ZMQTransport(CheckpointTransport[T]):
             stall_timeout=stall_seconds,
             streams=streams,
             relay=RelayOffer(self._address.to_metadata(), self._server, self._peer_options) if relay else None,
+            verify=verify,
         )
         self.last_recv_stats: TransferStats | None = None
         self.last_disallow_stats: DisallowStats | None = None
@@ -389,6 +404,17 @@ class ZMQTransport(CheckpointTransport[T]):
         options, peer_options = self._fetch_options, self._peer_options(address)
         return fetch_header(self._context, address, step, timeout.total_seconds(), options, peer_options)
 
+    def fetch_digests(self, metadata: str, step: int, timeout: timedelta) -> Published:
+        """The header of ``step`` and the source's digest of every data message (docs/protocol.md, "Digests").
+
+        No tensor data moves; the source hashes what it has not hashed yet.
+        Raises ``ProtocolError`` for a source that publishes no digests.
+        """
+        self._check_open()
+        address = parse_metadata(metadata)
+        options, peer_options = self._fetch_options, self._peer_options(address)
+        return fetch_digests(self._context, address, step, timeout.total_seconds(), options, peer_options)
+
     def _peer_options(self, address: PeerAddress) -> Configure | None:
         """DEALER options for fetching from one peer: CURVE needs that peer's server key.
 
@@ -492,7 +518,9 @@ def _check_options(
     return stall_seconds
 
 
-def _check_receiving(streams: int | None, relay: bool) -> None:
+def _check_receiving(streams: int | None, relay: bool, verify: str) -> None:
+    if verify not in VERIFY_CHOICES:
+        raise ValueError(f"verify={verify!r}: must be one of {', '.join(map(repr, VERIFY_CHOICES))}")
     if type(relay) is not bool:
         raise ValueError(f"relay={relay!r}: must be True or False")
     if streams is not None and (type(streams) is not int or not 1 <= streams <= MAX_STREAMS):

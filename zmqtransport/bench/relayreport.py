@@ -32,6 +32,7 @@ class RelayRow:
     method: str
     receivers: int
     killed: int  # receivers SIGKILLed per trial (their times are not counted)
+    rogue: str  # the rogue relay's mode ("" without one; its own time is not counted)
     slowest_s: float
     reference_method: str
     reference_s: float
@@ -47,6 +48,7 @@ def _is_reference(candidate: ScenarioResult, result: ScenarioResult) -> bool:
     return (
         one.receivers == 1
         and one.kill is None
+        and one.rogue is None
         and one.lab is not None
         and one.lab == many.lab
         and one.total_bytes == many.total_bytes
@@ -76,8 +78,17 @@ def relay_rows(results: Sequence[ScenarioResult]) -> list[RelayRow]:
             mine = [trial for trial in result.trials if trial.method == method]
             killed = max((len(trial.killed) for trial in mine), default=0)
             sent = sum(entry.source_sent) / scenario.total_bytes
+            rogue = scenario.rogue.mode if scenario.rogue is not None else ""
             row = RelayRow(
-                scenario.name, method, scenario.receivers, killed, entry.slowest_s, reference, ones[reference], sent
+                scenario.name,
+                method,
+                scenario.receivers,
+                killed,
+                rogue,
+                entry.slowest_s,
+                reference,
+                ones[reference],
+                sent,
             )
             rows.append(row)
     return rows
@@ -88,7 +99,8 @@ def format_relay_summary(results: Sequence[ScenarioResult]) -> str:
     rows = relay_rows(results)
     if not rows:
         return ""
-    header = ["scenario", "method", "receivers", "killed", "slowest s", "one-receiver s", "x one", "sent/state"]
+    header = ["scenario", "method", "receivers", "killed", "rogue"]
+    header += ["slowest s", "one-receiver s", "x one", "sent/state"]
     table = [header]
     for row in rows:
         borrowed = "" if row.reference_method == row.method else f" ({row.reference_method})"
@@ -99,6 +111,7 @@ def format_relay_summary(results: Sequence[ScenarioResult]) -> str:
                 row.method,
                 str(row.receivers),
                 str(row.killed),
+                row.rogue or "-",
                 f"{row.slowest_s:.3f}",
                 reference,
                 f"{row.times_one:.2f}",
@@ -107,7 +120,8 @@ def format_relay_summary(results: Sequence[ScenarioResult]) -> str:
         )
     title = (
         "relays (issue 13): slowest receiver / the one-receiver time of this run (same method, else zmq-fresh); "
-        "sent/state: the source host's NIC bytes / the state (median trial); killed: receivers SIGKILLed mid-transfer"
+        "sent/state: the source host's NIC bytes / the state (median trial); killed: receivers SIGKILLed mid-transfer; "
+        "rogue: receiver 1's relaying modified (issue 21), its own time not counted"
     )
     return "\n".join([title, *_plain_table(table)])
 
@@ -197,7 +211,7 @@ def format_paths_detail(results: Sequence[ScenarioResult]) -> str:
         for trial in result.trials:
             if not any(trial.recv_paths):
                 continue
-            survivors = [rank for rank in range(1, receivers + 1) if rank not in trial.killed]
+            survivors = [rank for rank in range(1, receivers + 1) if rank not in (*trial.killed, *trial.rogue)]
             parts = []
             for rank, paths, seconds in zip(survivors, trial.recv_paths, trial.seconds, strict=True):
                 sources = ", ".join(
@@ -206,6 +220,7 @@ def format_paths_detail(results: Sequence[ScenarioResult]) -> str:
                 )
                 parts.append(f"r{rank} {seconds:.2f} s <- {sources}")
             killed = f" (killed: {', '.join(f'r{rank}' for rank in trial.killed)})" if trial.killed else ""
+            killed += f" (rogue: {', '.join(f'r{rank}' for rank in trial.rogue)})" if trial.rogue else ""
             sent = sum(trial.source_sent) / _MIB
             lines.append(
                 f"  [{result.scenario.name}] {trial.method} trial {trial.trial}{killed}: source sent {sent:.1f} MiB; "

@@ -14,13 +14,17 @@
         inbox.Inbox         each data message received into place, checked, then counted
         striped.StripedReceive  spans over several connections (data phase)
           spans.SpanBook    pure: which span each connection asks for, takeovers, re-queues
+          checking.RelayCheck  what relays send, checked against the source's digests
+            verify.DigestBook  pure: digests published, asked, and messages waiting for theirs
         relaying.RelayDuty  serving what has landed onward (through this transport's server)
+      published.fetch_digests  every digest a source publishes for a step (inspect --digests)
 
 It imports nothing from :mod:`zmqtransport.serve`: what both sides share (the
 wire format, the relayed-step record, sockets, the codec) lies below both.
 """
 
 from .options import FetchOptions, ProgressCallback, RelayOffer
+from .published import Published, fetch_digests
 from .receive import fetch, fetch_header
 
-__all__ = ["FetchOptions", "ProgressCallback", "RelayOffer", "fetch", "fetch_header"]
+__all__ = ["FetchOptions", "ProgressCallback", "Published", "RelayOffer", "fetch", "fetch_digests", "fetch_header"]

@@ -4,10 +4,13 @@ One :class:`Inbox` per receive, used by the receiving thread for every data
 message, whichever connection it came on (one stream, or several:
 :mod:`.striped`): the payload frame is received straight into its
 destination (a storage's memory, a run of the small-tensor arena, or a pinned
-bounce buffer on its way to device memory), its size and checksum are
-checked, and its copies to the device are queued. What follows a landing is
-done here too, once for both kinds of receive: the prefault threads learn how
-far the data has reached, a relay may serve the message, progress is reported.
+bounce buffer on its way to device memory), its size, checksum and digest are
+checked, and its copies to the device are queued. A message from a relay is
+hashed there and then (:meth:`Inbox.receive`), and counted only once the
+receive has matched that digest with the source's (:mod:`.verify`). What
+follows a landing is done here too, once for both kinds of receive
+(:meth:`Inbox.count`): the prefault threads learn how far the data has
+reached, a relay may serve the message, progress is reported.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import zmq
 from .. import wire
 from ..codec.keypaths import format_path
 from ..device import RecvUnstager
-from ..errors import IntegrityError
+from ..digests import Algorithm, digest_of
+from ..errors import IntegrityError, ProtocolError
 from .landed import Landed
 from .landing import ParsedHeader
 from .relaying import RelayDuty
@@ -34,6 +38,8 @@ class Inbox:
 
     ``duty``: this receive relays, so each message may be served once it has
     landed. ``progress(bytes_landed, bytes_total)`` after each message.
+    ``algorithm``: the source's digest algorithm (None: it publishes none);
+    ``inline``: every message from the source carries its digest, checked here.
     """
 
     def __init__(
@@ -44,6 +50,8 @@ class Inbox:
         unstager: RecvUnstager | None,
         duty: RelayDuty | None = None,
         progress: Callable[[int, int], None] | None = None,
+        algorithm: Algorithm | None = None,
+        inline: bool = False,
     ) -> None:
         self.parsed = parsed
         self.plan = plan
@@ -51,6 +59,8 @@ class Inbox:
         self.unstager = unstager
         self.duty = duty
         self.progress = progress
+        self.algorithm = algorithm
+        self.inline = inline and algorithm is not None
         self.checksum = parsed.header.checksum is not None
         # Every bounce buffer is sized for the largest bounced message: none grows mid-receive.
         self.bounce_bytes = 0
@@ -62,11 +72,22 @@ class Inbox:
         self.landed_bytes = 0
 
     def land(self, socket: zmq.Socket[Any], reply: wire.Reply, source: str) -> int:
+        """Receive data message ``reply.seq`` from the source, check it, and count it; returns its bytes."""
+        nbytes = self.receive(socket, reply, source)[0]
+        self.count(reply.seq, reply.crc)
+        return nbytes
+
+    def receive(
+        self, socket: zmq.Socket[Any], reply: wire.Reply, source: str, relayed: bool = False
+    ) -> tuple[int, bytes | None]:
         """Receive the payload of data message ``reply.seq`` (its envelope just read) from ``socket``.
 
-        Checks its size and checksum (``source`` names the sender in the
-        error), queues its copies to device memory, then tells the prefault
-        threads, the relay duty and the progress callback. Returns its bytes.
+        From the source (``source`` names it in errors): its checksum and,
+        inline, its digest are checked (``IntegrityError``). From a relay
+        (``relayed``): its digest is computed, to be matched with the
+        source's; nothing the relay says about it is believed. Its copies to
+        device memory are queued either way. Returns its bytes and the digest
+        computed (None from the source); :meth:`count` it once it is believed.
         """
         seq = reply.seq
         pieces = self.plan[seq]
@@ -74,17 +95,34 @@ class Inbox:
         bounced = unstager is not None and unstager.wants(pieces)
         payload = self._receive_payload(socket, seq, pieces, unstager if bounced else None)
         expect_no_more(socket, f"data message {seq}")
-        if self.checksum and reply.crc != zlib.crc32(payload):
-            raise self._integrity_error(seq, pieces, source)
+        digest = None
+        if relayed:
+            assert self.algorithm is not None  # a receive that cannot check relays does not use them
+            digest = digest_of(self.algorithm, payload)
+        else:
+            if self.checksum and reply.crc != zlib.crc32(payload):
+                raise self._integrity_error(seq, pieces, source, "checksum")
+            if self.inline:
+                self._check_inline(seq, pieces, reply.dg, payload, source)
         if bounced:
             assert unstager is not None
-            unstager.deliver(pieces)
-        self._landed(seq, reply.crc, len(payload))
-        return len(payload)
+            unstager.deliver(pieces)  # a relayed message found forged later is overwritten by its re-fetch
+        return len(payload), digest
 
-    def _landed(self, seq: int, crc: int | None, nbytes: int) -> None:
+    def _check_inline(self, seq: int, pieces: list[wire.Piece], dg: bytes | None, payload: Any, source: str) -> None:
+        assert self.algorithm is not None
+        if dg is None:
+            raise ProtocolError(f"data message {seq} from {source} carries no digest, though this receive asked")
+        if digest_of(self.algorithm, payload) != dg:
+            raise self._integrity_error(seq, pieces, source, f"{self.algorithm.name} digest")
+
+    def count(self, seq: int, crc: int | None) -> None:
+        """Data message ``seq`` has landed (checked): tell the prefault threads, the relay duty, the progress callback.
+
+        ``crc``: the source's checksum of it, forwarded by the relay duty (None for one that came from a relay).
+        """
         self.done[seq] = 1
-        self.landed_bytes += nbytes
+        self.landed_bytes += self.offsets[seq + 1] - self.offsets[seq]
         prefaulter = self.landed.prefaulter
         if prefaulter is not None and seq == self.prefix:
             while self.prefix < len(self.done) and self.done[self.prefix]:
@@ -121,7 +159,7 @@ class Inbox:
             at += piece.length
         return payload
 
-    def _integrity_error(self, seq: int, pieces: list[wire.Piece], source: str) -> IntegrityError:
+    def _integrity_error(self, seq: int, pieces: list[wire.Piece], source: str, what: str) -> IntegrityError:
         """Name the storages and the tensors (key paths) a corrupted data message carried."""
         parsed = self.parsed
         hit = sorted({piece.storage for piece in pieces})
@@ -132,6 +170,6 @@ class Inbox:
         ]
         more = " ..." if len(names) > 8 else ""
         return IntegrityError(
-            f"checksum mismatch in data message {seq} from {source} "
+            f"{what} mismatch in data message {seq} from {source} "
             f"(step {parsed.header.step}): storages {hit}, tensors {', '.join(names[:8]) or 'none'}{more}"
         )

@@ -215,7 +215,7 @@ def _fill_fresh(
             if huge_pages and nbytes >= buffers.HUGE_PAGE:
                 exact = None  # the huge-page mapping is allocated as bytes
             placements[storage] = Fresh(nbytes, exact, huge_pages)
-            if nbytes >= buffers.PREFAULT_PIECE:
+            if nbytes >= buffers.PREFAULT_MIN_REGION:
                 prefault.append(PrefaultRegion(offset, storage, nbytes))
         offset += nbytes
     return prefault

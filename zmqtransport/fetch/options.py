@@ -20,6 +20,7 @@ from .landing import LandingOptions
 from .relaying import RelayHost
 
 ProgressCallback = Callable[[int, int], None]
+VERIFY_CHOICES = ("relayed", "all")
 Configure = Callable[[zmq.Socket[Any]], None]
 
 
@@ -49,6 +50,9 @@ class FetchOptions:
     # the source advertises; 1, a single connection (no span fetches).
     streams: int | None = None
     relay: RelayOffer | None = None  # None: this receiver does not relay
+    # What is checked against the source's strong digests (docs/protocol.md, "Digests"):
+    # "relayed", every message a relay sends; "all", every message, the source's own too.
+    verify: str = "relayed"
 
     def striped(self, address: PeerAddress) -> bool:
         """Whether a receive from ``address`` asks for the header alone, then for spans on several connections."""

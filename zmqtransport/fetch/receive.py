@@ -23,9 +23,9 @@ from typing import Any
 
 import zmq
 
-from .. import buffers, wire
+from .. import buffers, digests, wire
 from ..device import RecvUnstager
-from ..errors import ConnectionLostError, ProtocolError, StalledError
+from ..errors import ConnectionLostError, IntegrityError, ProtocolError, StalledError
 from ..gcpause import paused_gc
 from ..net import PeerAddress
 from ..stats import TransferStats
@@ -63,6 +63,8 @@ class Receive:
         self.stats = TransferStats(peer=address.endpoint, step=step)
         self.stage: int | None = None  # the staging's id, from a sender that serves span fetches
         self.order: wire.RelayOrder | None = None  # what the source said about relaying
+        # The source's digest algorithm (None: it publishes no digests, so relays cannot be checked).
+        self.algorithm: digests.Algorithm | None = None
         self.duty: RelayDuty | None = None  # serving what lands to the downstream
         self.plan: list[list[wire.Piece]] = []  # the header's chunk plan: what each data message carries
         relay_options = options.relay.options_for if options.relay is not None else None
@@ -137,8 +139,17 @@ class Receive:
     def send_request(self, header_only: bool = False, relay: bool = True) -> None:
         wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
         offer = self.options.relay.at if relay and self.options.relay is not None else None
+        inline = self.options.verify == "all" and not header_only
         request = wire.fetch_request(
-            self.xfer, self.step, wait_ms, self.options.window, self.options.allow_pickle, header_only, relay=offer
+            self.xfer,
+            self.step,
+            wait_ms,
+            self.options.window,
+            self.options.allow_pickle,
+            header_only,
+            relay=offer,
+            verify=digests.offered(),
+            inline=inline,
         )
         self.conns.first.socket.send(request)
 
@@ -148,6 +159,7 @@ class Receive:
             raise ProtocolError(f"expected a header, got {reply.op!r}")
         self.stage = reply.stage
         self.order = reply.relay if self.options.relay is not None else None
+        self.algorithm = self._digest_algorithm(reply.digest)
         socket = self.conns.first.socket
         body = socket.recv()
         expect_no_more(socket, "the header")
@@ -155,6 +167,19 @@ class Receive:
         if header.step != self.step:
             raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
         return landing.parse_header(header, self.options.allow_pickle)
+
+    def _digest_algorithm(self, name: str | None) -> digests.Algorithm | None:
+        """The algorithm the source chose from this side's offer (None: it publishes no digests)."""
+        if name is None:
+            if self.options.verify == "all":
+                raise IntegrityError(
+                    f"verify='all': {self.describe()} publishes no digests to check the data against "
+                    "(a release before digests); receive from it with verify='relayed'"
+                )
+            return None
+        if name not in digests.offered():
+            raise ProtocolError(f"the peer chose digest algorithm {name!r}, which this side did not offer")
+        return digests.algorithm(name)
 
     def receive_end(self) -> None:
         reply = self._next("the end of the transfer", in_transfer=True)
@@ -213,8 +238,17 @@ class Receive:
         """Receive every data message in spans over several connections (:mod:`.striped`)."""
         assert self.stage is not None  # only a sender that serves spans gets here
         options = self.options
-        terms = striped.SpanTerms(self.step, self.stage, options.allow_pickle, self.deadline, options.stall_timeout)
-        streams = self.conns.streams(options.streams, self.order)
+        terms = striped.SpanTerms(
+            self.step,
+            self.stage,
+            options.allow_pickle,
+            self.deadline,
+            options.stall_timeout,
+            self.algorithm,
+            inline=options.verify == "all",
+        )
+        # Relays only where what they send can be checked against the source's digests.
+        streams = self.conns.streams(options.streams, self.order if self.algorithm is not None else None)
         run = striped.StripedReceive(streams, inbox, terms, striped.span_messages(chunk_bytes), self.describe(False))
         try:
             run.run()
@@ -238,7 +272,8 @@ class Receive:
                 # Device memory is not relayed: the downstream is refused and fetches from the source.
                 duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
                 duty = None if duty.stopped else duty
-            inbox = Inbox(parsed, self.plan, landed, unstager, duty, self.options.progress)
+            inline = self.options.verify == "all"
+            inbox = Inbox(parsed, self.plan, landed, unstager, duty, self.options.progress, self.algorithm, inline)
             if stripe:
                 self.receive_striped(inbox, parsed.header.chunk_bytes)
             else:

@@ -18,6 +18,7 @@ import zmq
 from .. import wire
 from ..device import SendStager
 from ..relayed import RelayStopped
+from .digests import envelope_digest
 from .frames import HeldFrames
 from .router import Router
 from .scheduler import Action, Scheduler, Transfer
@@ -84,7 +85,8 @@ class DataPump:
             if references_tensor and not self._held.may_send(key, len(payload)):
                 transfer.paused = True  # until a frame of its connection is released
                 return []
-        envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload))
+        digest = envelope_digest(transfer, seq, payload)
+        envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload), digest)
         try:
             # Every frame is tracked: its release tells that the receiver takes data.
             tracker = self._router.send_data(transfer.peer, envelope, payload, track=True)

@@ -42,6 +42,7 @@ from ..device import DeviceStaging, SendStager
 from ..errors import ProtocolError
 from ..relayed import Relayed
 from ..stats import DisallowStats, TransferStats
+from .digests import DigestWork
 from .disallows import Disallows, SnapshotTaken
 from .frames import HeldFrames
 from .outbox import Outbox, SentLog
@@ -171,6 +172,8 @@ class Server:
         self._stager = SendStager(staging)
         self._disallows = Disallows(self._scheduler, self._stager, staging, self._held, timeout, cap, self._command)
         self._pump = DataPump(self._scheduler, self._router, self._stager, self._held)
+        self._digests = DigestWork(self._scheduler, self._router)
+        self._hashing_due = False  # digest requests have bytes left to hash now
         self._sent = SentLog()
         self._outbox = Outbox(self._router, self._scheduler, self._sent)
         self._stopping = False
@@ -276,6 +279,7 @@ class Server:
                 if self._router.socket in events:
                     self._read_requests()
                 self._outbox.execute(self._pump.run())
+                self._hashing_due = self._digests.run()
                 if self._housekeeping():
                     poller = self._poller()  # the socket was rebuilt
         except Exception:
@@ -285,7 +289,7 @@ class Server:
 
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
-        seconds = self._scheduler.wakeup_in(now)
+        seconds = 0.0 if self._hashing_due else self._scheduler.wakeup_in(now)
         held = self._held.wakeup_in(now)
         if held is not None:
             seconds = min(seconds, held)

@@ -26,7 +26,7 @@ import ctypes
 import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -67,6 +67,8 @@ class Snapshot:
     nbytes: int  # memory the copy holds
     total_bytes: int  # of the whole staging (statistics)
     tensor_count: int
+    # Shared with the Staged too: digests computed before the copy serve after it (serve/digests.py).
+    digests: dict[str, list[bytes | None]] = field(default_factory=dict)
     device_plan: None = None  # a snapshot is host memory: it never goes through the stager
 
     @property
@@ -123,6 +125,7 @@ def take(staged: Staged, seqs: Sequence[int], staging: DeviceStaging, floor: Cal
         sum(sizes[seq] for seq in copied),
         staged.total_bytes,
         staged.tensor_count,
+        staged.digests,
     )
 
 

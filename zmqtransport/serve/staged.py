@@ -111,6 +111,8 @@ class Staged:
     # Names this staging in span fetches: a span asked of an earlier staging of
     # the same step (re-staged in between, maybe with other bytes) is refused.
     stage_id: int = field(default_factory=lambda: random.getrandbits(63))
+    # Digests of the data messages, by algorithm name, each computed once (serve.digests).
+    digests: dict[str, list[bytes | None]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:

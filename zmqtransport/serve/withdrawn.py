@@ -149,6 +149,11 @@ class Withdrawals:
         withdrawn.last_activity = now  # its receive is still going
         return None if busy is None else (wire.ERR_BUSY, busy)
 
+    def digests_of(self, withdrawn: Withdrawn, now: float) -> Staged | Snapshot:
+        """What a digest request for ``withdrawn`` hashes: its source (its receive is still going)."""
+        withdrawn.last_activity = now
+        return withdrawn.source
+
     @property
     def reading_caller_memory(self) -> bool:
         """Whether a transfer may still read a withdrawn staging's tensors (one beyond the cap)."""
