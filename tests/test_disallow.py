@@ -5,7 +5,7 @@ The source is a real process. It stages a seeded state, calls
 adds 1.0 to every tensor, as an optimizer step would. Receivers (in this
 process, slowed by a progress callback so the rest of their transfer comes
 after the mutation) must get the STAGED values, byte for byte: in place and
-into fresh memory, over one connection and striped over two, behind a relay,
+into fresh memory, over one connection and striped over two, in a swarm of peers,
 beyond the snapshot cap (the source then waits for them), next to a frozen
 receiver (the stall bound still releases the source), and with device memory
 (the CUDA path through the CPU test doubles of ``zmqtransport.testing``).
@@ -65,9 +65,9 @@ def source_main(conn: Connection, options: dict[str, Any], device: str, relay_lo
 
     ``device``: "cpu", "fake" (every storage through the stager's fake copy engine) or "cuda".
     """
-    from zmqtransport.serve import scheduler
+    from zmqtransport import relayed
 
-    scheduler.RELAY_LOOPBACK = relay_loopback
+    relayed.RELAY_LOOPBACK = relay_loopback
     if device == "fake":
         from zmqtransport.testing import FakeDevice
 
@@ -242,7 +242,12 @@ def test_a_striped_receive_fetches_later_spans_from_the_snapshot(source: Any, re
     assert report["stats"].snapshot_bytes == got["weight"].numel() * 4 + sum(t.numel() * 4 for t in got["small"])
 
 
-def test_a_relay_chain_completes_and_its_standby_fetches_from_the_snapshot(source: Any, receivers: Any) -> None:
+def test_a_swarm_completes_and_what_it_asks_of_the_source_comes_from_the_snapshot(
+    source: Any, receivers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from zmqtransport import relayed
+
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)  # receivers on this host offer to relay too
     src = source(relay_loopback=True)
     run = Receives(src, at=0.2, per_message=0.015)
     chain = [receiver(receivers, run.progress()) for _ in range(3)]
@@ -251,7 +256,7 @@ def test_a_relay_chain_completes_and_its_standby_fetches_from_the_snapshot(sourc
         assert_staged(result)
     relayed = [r for r in chain if r.last_recv_stats is not None and src.metadata not in r.last_recv_stats.paths]
     assert relayed or any(len(r.last_recv_stats.paths) > 1 for r in chain if r.last_recv_stats), (
-        "no receiver fetched from a relay: the test did not exercise a chain"
+        "no receiver fetched from a peer: the test did not exercise a swarm"
     )
 
 

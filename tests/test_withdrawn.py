@@ -159,7 +159,7 @@ def test_readers_leave_when_their_connection_closes_or_nothing_moves_for_the_sta
     assert net.ops(b"q2")[-1] == ("error", wire.ERR_DISALLOWED)
 
 
-def test_a_relay_chains_downstream_is_kept_while_its_upstream_receives(net: Net) -> None:
+def test_a_swarm_member_is_kept_while_its_peer_receives_and_served_from_the_copy(net: Net) -> None:
     step = staged(messages=10)
     net.execute(net.scheduler.stage(step, net.now))
     for peer, xfer, host in ((b"head", 1, "10.0.0.1"), (b"down", 2, "10.0.0.2")):

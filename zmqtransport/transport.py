@@ -144,27 +144,30 @@ class ZMQTransport(CheckpointTransport[T]):
             stalls mid-transfer has its spans fetched over the others
             (docs/protocol.md, "Spans"). Needs a sender of this release; an
             older one is read over one connection.
-        relay: when several receivers fetch one step from one source at the
-            same time, forward what this receiver has received to the next
-            one, so the source uploads the state about once rather than once
-            per receiver (docs/protocol.md, "Relays"). On by default; it
-            costs this receiver its upload bandwidth while it receives, and
-            ``recv_checkpoint`` returns at most ``zmqtransport.fetch.relaying.RELAY_TAIL``
-            (1 s) after its own data is complete, never serving from the
-            received memory after it returns. ``False``: never relay, and
-            fetch from the source only.
+        relay: when several receivers on other hosts fetch one step from one
+            source at the same time, they form a swarm: each fetches from the
+            source and from the others, every peer as fast as it delivers,
+            and serves what it has received to them, so the source uploads
+            the state about once rather than once per receiver and a slow
+            receiver holds nobody back (docs/protocol.md, "Swarm"). On by
+            default; it costs this receiver upload bandwidth while it
+            receives, and ``recv_checkpoint`` returns at most
+            ``zmqtransport.fetch.relaying.RELAY_TAIL`` (10 ms) after its own
+            data is complete, never serving from the received memory after
+            it returns. ``False``: never relay, and fetch from the source only.
         verify: which received bytes are checked against the strong digests
             (SHA-256, or BLAKE3 with the ``blake3`` extra on both sides) that
             the source publishes over this receiver's own connection to it
             (docs/protocol.md, "Digests"). ``"relayed"`` (default): every
-            message a relay sends; a relay whose bytes do not match, or that
-            answers anything but good data, is dropped for the receive (a
-            WARNING names it) and its part is fetched again, so a modified peer
-            that offered to relay changes nothing. ``"all"``: the source's own
-            messages too (end-to-end, against corruption anywhere on the way;
-            costs the source and the receiver one hash pass each, see
-            README). A source that publishes no digests (an earlier release)
-            is never relayed from; ``"all"`` refuses to receive from it.
+            message another receiver sends; a peer whose bytes do not match,
+            or that answers anything but good data, is dropped for the
+            receive (a WARNING names it) and its part is fetched again, so a
+            modified peer that offered to relay changes nothing. ``"all"``:
+            the source's own messages too (end-to-end, against corruption
+            anywhere on the way; costs the source and the receiver one hash
+            pass each, see README). A source that publishes no digests (an
+            earlier release) is never relayed from; ``"all"`` refuses to
+            receive from it.
         allow_pickle: send objects that have no pickle-free encoding as pickle,
             and accept pickled objects when receiving. Off by default: a peer's
             pickle can run arbitrary code. Both sides must opt in.

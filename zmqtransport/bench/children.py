@@ -166,6 +166,35 @@ def _die_past(fraction: float) -> Callable[[int, int], None]:
     return progress
 
 
+# Points one receive's timeline keeps (it is sent to the driver with the outcome).
+TIMELINE_POINTS = 200
+
+
+class Timeline:
+    """Bytes landed over time in one receive, from ZMQTransport's progress callback (``--plot``)."""
+
+    def __init__(self, then: Callable[[int, int], None] | None = None) -> None:
+        self.then = then  # another progress callback to call after recording (a planned kill)
+        self.started = time.perf_counter()
+        self.points: list[tuple[float, int]] = []
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        self.points = [(0.0, 0)]
+
+    def __call__(self, done: int, total: int) -> None:
+        self.points.append((time.perf_counter() - self.started, done))
+        if self.then is not None:
+            self.then(done, total)
+
+    def sampled(self) -> list[tuple[float, int]]:
+        """At most :data:`TIMELINE_POINTS` points, the last one kept."""
+        points = self.points
+        step = max(1, len(points) // TIMELINE_POINTS)
+        kept = points[::step]
+        return kept if not points or kept[-1] == points[-1] else [*kept, points[-1]]
+
+
 def _one_link_ideal_s(scenario: Scenario) -> float:
     rate_mbit = scenario.lab.rate_mbit if scenario.lab is not None else 1e4
     return scenario.total_bytes / (rate_mbit * 1e6 / 8)
@@ -184,6 +213,7 @@ class ReceiverProcess:
         self.targets: list[Any] = []
         self.receiving: Receiving | None = None
         self.kill_timer_s: float | None = None  # the victim of a Kill, for a method without progress
+        self.timeline: Timeline | None = None  # bytes over time (ZMQTransport, which reports progress)
 
     def setup(self, method: str, metadata: str, step: int) -> None:
         """Untimed: the recovering model's own tensors (touched) and the method's receiver."""
@@ -205,6 +235,8 @@ class ReceiverProcess:
             if rogue.mode == "shutdown":
                 shut_down = []
                 progress = shutdown_halfway(shut_down)
+        if isinstance(chosen, ZmqMethod):
+            progress = self.timeline = Timeline(progress)
         env = RecvEnv(self.layout, self.targets, self.knobs, self.place, self.rank, world, metadata, step, progress)
         self.receiving = chosen.receiver(env)
         if shut_down is not None:
@@ -226,6 +258,8 @@ class ReceiverProcess:
         assert self.receiving is not None
         meter = PeakMeter()
         cpu_before = _cpu_seconds()
+        if self.timeline is not None:
+            self.timeline.start()
         started = time.perf_counter()
         if self.scenario.disallow is not None:
             if self.started is not None:
@@ -251,6 +285,7 @@ class ReceiverProcess:
             "resettable": meter.resettable,
             "paths": stats.get("paths", {}),
             "duplicates": stats.get("duplicates", 0),
+            "timeline": self.timeline.sampled() if self.timeline is not None else [],
         }
 
     def _receive_disallowed(self, step: int, meter: PeakMeter, cpu_before: float, started: float) -> dict[str, Any]:
@@ -275,7 +310,8 @@ class ReceiverProcess:
         release_free_memory()
         stats = {} if error else self.receiving.stats()
         outcome = {"seconds": seconds, "cpu": cpu, "rss": growth, "in_place": in_place, "resettable": meter.resettable}
-        return {**outcome, "paths": stats.get("paths", {}), "duplicates": 0, "error": error}
+        timeline = self.timeline.sampled() if self.timeline is not None else []
+        return {**outcome, "paths": stats.get("paths", {}), "duplicates": 0, "timeline": timeline, "error": error}
 
     def close(self) -> None:
         if self.receiving is not None:

@@ -234,6 +234,10 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-mixed"] = Scenario(
         "lab-mixed", 32 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=mixed, lead_s=0.2
     )
+    # Issue 22: several paths and the swarm together (2 NICs per host, 3 receivers).
+    rows["lab-2nic-1to3"] = Scenario(
+        "lab-2nic-1to3", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(nics=2)
+    )
     # Issue 21: a rogue relay at the head of the chain, and an honest one that shuts down mid-transfer.
     for mode in ("flip", "error", "silent", "shutdown"):
         rows[f"lab-rogue-{mode}"] = Scenario(
@@ -286,7 +290,7 @@ def _large_presets() -> dict[str, Scenario]:
 LARGE = _large_presets()
 PRESETS = {**_with_disallow_rows(_with_relay_rows(_presets())), **LARGE}
 # The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
-RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed")
+RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3")
 # Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
 ROGUE_PRESETS = ("lab-1to1", "lab-1to3", "lab-rogue-flip", "lab-rogue-error", "lab-rogue-silent", "lab-rogue-shutdown")
 # Issue 23's rows (run only where named): ``--scenario disallow --scenario lab-disallow``.

@@ -198,6 +198,8 @@ class Trial:
     duplicates: list[int] = field(default_factory=list)  # per receiver: data messages that came twice (dropped)
     cut_s: float | None = None  # a CutMethod's trial: when the link went down, seconds after the receives began
     killed: list[int] = field(default_factory=list)  # ranks SIGKILLed mid-transfer (scenario.kill); lists skip them
+    # Per receiver: (seconds into its receive, bytes landed) points, from ZMQTransport's progress ([] otherwise).
+    timelines: list[list[tuple[float, int]]] = field(default_factory=list)
     rogue: list[int] = field(default_factory=list)  # ranks of rogue relays (scenario.rogue); lists skip them
     # scenario.disallow: how long the source's disallow_checkpoint held it, what it copied, a memcpy of
     # that many bytes in the same process, and each receiver's failure ("": bit-exact with the staged step).
@@ -315,6 +317,7 @@ class _Run:
             [o["duplicates"] for o in cold],
             cut.at_s,
             killed,
+            [o["timeline"] for o in cold],
             rogue,
             disallowed,
             [o.get("error", "") for o in cold],

@@ -169,6 +169,33 @@ def _issue22_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         uploads[(row.scenario, row.method)] = row.sent_over_state
     for (scenario, method), sent in uploads.items():
         targets.append(Target(scenario, f"{method} source upload / state", sent, _MIXED_UPLOAD_LIMIT, False, 22))
+    return targets + _two_nic_targets(results)
+
+
+_TWO_NIC_LIMIT = 0.6  # slowest of 3 receivers with 2 NICs each / one receiver's time over one NIC
+
+
+def _two_nic_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Several paths and the swarm together: 3 receivers on 2 NICs against one receiver on one NIC."""
+    targets: list[Target] = []
+    for result in results:
+        scenario, lab = result.scenario, result.scenario.lab
+        if lab is None or lab.nics != 2 or scenario.receivers < 2 or lab.mixed or scenario.kill is not None:
+            continue
+        for reference in results:
+            one, ref_lab = reference.scenario, reference.scenario.lab
+            comparable = (
+                ref_lab is not None and ref_lab.nics == 1 and one.receivers == 1 and not ref_lab.mixed
+                and ref_lab.rate_mbit == lab.rate_mbit and one.total_bytes == scenario.total_bytes
+            )
+            if not comparable:
+                continue
+            for method in RELAYING:
+                entry, base = result.summary.get(method), reference.summary.get(method)
+                if entry is None or base is None:
+                    continue
+                text = f"{method} slowest of {scenario.receivers} (2 NICs each) / one receiver over one NIC"
+                targets.append(Target(scenario.name, text, entry.slowest_s / base.slowest_s, _TWO_NIC_LIMIT, False, 22))
     return targets
 
 

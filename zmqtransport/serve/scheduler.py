@@ -13,16 +13,17 @@ per round, so concurrent receivers share the link.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import digests, wire
+from .. import relayed as shared_relaying
+from ..net import is_local_address
 from ..relayed import Relayed
-from .chain import Chain
 from .snapshot import Snapshot
 from .staged import Served, Staged
+from .swarm import Swarm
 from .withdrawn import Withdrawals
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
@@ -47,13 +48,6 @@ class Limits:
 # requests re-parked after a rebind.
 IDLE_WAKEUP = 1.0
 
-# Whether receivers on this host (a loopback connection) are chained into
-# relays. Not by default: a relay trades the receivers' uplinks for the
-# source's, and one host has one memory system, not several links. Measured on
-# loopback, three fresh 1 GiB receivers at once: the slowest took 2.99 s
-# relayed against 2.31 s for HTTPTransport. Tests turn it on to exercise relays
-# on one machine.
-RELAY_LOOPBACK = False
 # How long a span fetch for a relay token this side has not registered waits
 # for it (the receive registers it as soon as it has parsed the header).
 RELAY_REGISTER_GRACE = 2.0
@@ -170,6 +164,18 @@ class SendHeader:
 
 
 @dataclass(frozen=True)
+class Have:
+    """Answer a ``have`` request: what this side holds (None: everything) and, as the source, the swarm."""
+
+    peer: bytes
+    xfer: int
+    bits: int | None
+    messages: int
+    peers: tuple[wire.Peer, ...] = ()
+    coming: int = 0
+
+
+@dataclass(frozen=True)
 class Finish:
     """Every data message went out: send ``end`` and record the transfer."""
 
@@ -177,7 +183,7 @@ class Finish:
     seconds: float
 
 
-Action = Refuse | Abort | SendHeader | Finish
+Action = Refuse | Abort | SendHeader | Finish | Have
 
 
 class Scheduler:
@@ -189,8 +195,10 @@ class Scheduler:
         stall: float | None = None,
         limits: Limits | None = None,
         make_token: Callable[[], bytes] | None = None,
+        is_local: Callable[[str], bool] = is_local_address,
     ) -> None:
-        self.relay_loopback = RELAY_LOOPBACK
+        self.relay_loopback = shared_relaying.RELAY_LOOPBACK  # read here: tests patch the module
+        self.is_local = is_local  # whether a peer address belongs to this host
         # Relay tokens: unguessable, handed out only to the staged step's receivers.
         self.make_token = make_token if make_token is not None else lambda: os.urandom(wire.RELAY_TOKEN_BYTES)
         # A transfer whose receiver grants no credit and takes no data for this
@@ -201,7 +209,7 @@ class Scheduler:
         self.withdrawals = Withdrawals(self.stall, timeout)  # also the staged step's readers
         self.transfers: dict[Key, Transfer] = {}
         self.parked: list[Parked] = []
-        self.chain = Chain()  # receivers of the staged step that offered to relay
+        self.swarm = Swarm()  # receivers of the staged step that offered to relay
         self.relaying = RelayedSteps(self.limits.parked)  # steps this side relays (as a receiver)
         self._rebound_at = float("-inf")
 
@@ -211,7 +219,7 @@ class Scheduler:
         """Serve ``staged`` from now on; requests parked until now start (or are refused)."""
         self.staged = staged
         self.withdrawals.readers.clear()
-        self.chain.clear()
+        self.swarm.clear()
         return self._retry_parked(now)
 
     def disallow(self, now: float, cap: int) -> tuple[int, int]:
@@ -226,7 +234,7 @@ class Scheduler:
         if self.staged is not None:
             running = self.withdrawals.withdraw(self.staged, self.transfers.values(), now, cap)
         self.staged = None
-        self.chain.clear()
+        self.swarm.clear()
         return running
 
     def on_request(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
@@ -241,6 +249,8 @@ class Scheduler:
             self.transfers.pop(key, None)
             self.parked = [p for p in self.parked if p.key != key]
             return []
+        if request.op == wire.OP_HAVE:
+            return [self._have(peer, request, address, now)]
         if key in self.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
         withdrawn = self.withdrawals.find(request.stage)
@@ -299,7 +309,7 @@ class Scheduler:
         gone = [t for t in self.transfers.values() if t.peer == peer]
         for transfer in gone:
             del self.transfers[transfer.key]
-        self.chain.left(peer)
+        self.swarm.left(peer)
         self.withdrawals.left(peer)
         self.relaying.left(peer)
         return gone
@@ -419,9 +429,11 @@ class Scheduler:
             return self._start_span(peer, request, address, now, staged)
         algorithm = digests.choose(request.verify)
         order = None
-        if request.relay is not None and (self.relay_loopback or not is_loopback(address)):
-            # Only a receiver that verifies (offered an algorithm this side has) may be sent to a relay.
-            order = self.chain.offer(peer, request.relay, address, self.make_token(), follows=algorithm is not None)
+        if request.relay is not None and (self.relay_loopback or not self.is_local(address)):
+            # Only a receiver that verifies (offered an algorithm this side has) is sent to other members.
+            order = self.swarm.offer(peer, request.relay, address, self.make_token(), follows=algorithm is not None)
+            if order is not None and algorithm is not None:
+                self.swarm.algorithm = algorithm
         # A receiver sent to a relay gets the header alone: it asks the relay for the data.
         header_only = request.header_only or (order is not None and order.upstream is not None)
         digest = algorithm.name if algorithm is not None else None
@@ -438,6 +450,25 @@ class Scheduler:
             del self.transfers[transfer.key]
             return [header, Finish(transfer, 0.0)]
         return [header]
+
+    def _have(self, peer: bytes, request: wire.Request, address: str, now: float) -> Have | Refuse:
+        """What this side holds of ``request.stage``: as a swarm peer, what has landed; as the source,
+        everything, and the swarm's other members (``request.token`` is the asker's own: asked from
+        ``address``, that member's paths there are believed too)."""
+        token = request.token
+        relayed = self.relaying.steps.get(token) if token is not None else None
+        if relayed is not None and relayed.stage_id == request.stage:
+            return Have(peer, request.xfer, relayed.have, relayed.messages, coming=relayed.coming)
+        staged = self.staged
+        if staged is not None and staged.stage_id == request.stage:
+            if token is not None:
+                self.swarm.seen(token, address)
+            peers = self.swarm.peers_for(token) if token is not None else None
+            return Have(peer, request.xfer, None, staged.messages, peers or ())
+        withdrawn = self.withdrawals.find(request.stage)
+        if withdrawn is not None:  # a member whose receive ran at a disallow: what it may still ask for is kept
+            return Have(peer, request.xfer, self.withdrawals.held(withdrawn, now), withdrawn.staged.messages)
+        return Refuse(peer, request.xfer, wire.ERR_NOT_RELAYING, "this side serves nothing of that staging")
 
     def _start_relayed(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
         """A span fetch to this side as a relay: served from the step it is receiving, as it lands."""
@@ -469,6 +500,11 @@ class Scheduler:
         transfer = Transfer(peer, request.xfer, staged, request.credit, address, now, now, first, stop, span=True)
         if isinstance(staged, Staged):
             transfer.hashing = transfer_hashing(request, staged, relays=False)
+            swarm = self.swarm.algorithm
+            if transfer.hashing is None and swarm is not None and staged.device_plan is not None:
+                # Device memory: digest requests cannot read it, so what goes out to a swarm
+                # (whose members ask for digests of what they fetch from each other) is hashed here.
+                transfer.hashing = Hashing(swarm, inline=False)
         self.transfers[transfer.key] = transfer
         return []
 
@@ -503,16 +539,6 @@ class Scheduler:
     def _abort(self, transfer: Transfer, code: str, message: str) -> Abort:
         self.transfers.pop(transfer.key, None)
         return Abort(transfer, code, message)
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a peer address (as the ROUTER reports it; IPv4-mapped IPv6 too) is a loopback address."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return bool((mapped or ip).is_loopback)
 
 
 def span_refusal(request: wire.Request, staged: Staged | Snapshot) -> tuple[str | None, str]:

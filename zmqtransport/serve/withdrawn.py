@@ -149,6 +149,14 @@ class Withdrawals:
         withdrawn.last_activity = now  # its receive is still going
         return None if busy is None else (wire.ERR_BUSY, busy)
 
+    def held(self, withdrawn: Withdrawn, now: float) -> int | None:
+        """What ``withdrawn`` still serves, for a swarm member's ``have`` question: None (everything) or bits."""
+        withdrawn.last_activity = now  # its receive is still going
+        source = withdrawn.source
+        if all(source.available(seq) for seq in range(source.messages)):
+            return None
+        return sum(1 << seq for seq in range(source.messages) if source.available(seq))
+
     def digests_of(self, withdrawn: Withdrawn, now: float) -> Staged | Snapshot:
         """What a digest request for ``withdrawn`` hashes: its source (its receive is still going)."""
         withdrawn.last_activity = now
