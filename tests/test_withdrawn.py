@@ -15,7 +15,7 @@ import torch
 from zmqtransport import wire
 from zmqtransport.device import DeviceStaging
 from zmqtransport.serve.frames import PAUSED_POLL, PINNED_DRAIN, HeldFrames
-from zmqtransport.serve.scheduler import Scheduler
+from zmqtransport.serve.scheduler import Have, Scheduler
 from zmqtransport.serve.snapshot import BATCH_BYTES, Run, Snapshot, plan_runs, take
 from zmqtransport.serve.staged import Staged, stage
 from zmqtransport.serve.withdrawn import RECHECK, Withdrawn
@@ -79,6 +79,8 @@ def test_disallow_keeps_running_transfers_and_copies_only_what_they_have_not_bee
     assert running == (2, 7)
     assert reading(net)  # until the copy is taken
     assert take_due(net) == [[3, 4, 5, 6, 7, 8, 9]]  # a has 0..2, b 0..4: the union of the rest
+    withdrawn = net.scheduler.withdrawals.by_stage[step.stage_id]
+    assert net.scheduler.withdrawals.held(withdrawn, net.now) == 0b1111111000  # what a have question is told
     assert not reading(net)
     assert all(isinstance(t.staged, Snapshot) for t in net.scheduler.transfers.values())
     net.request(b"a", credit(1, 16))
@@ -179,6 +181,9 @@ def test_a_swarm_member_is_kept_while_its_peer_receives_and_served_from_the_copy
     net.request(b"down", span(9, 5, 10, step.stage_id))
     net.pump()
     assert net.data(b"down", 9) == [5, 6, 7, 8, 9]
+    # Its have questions: the source still holds everything for it.
+    (answer,) = net.scheduler.on_request(b"down", wire.Request(wire.OP_HAVE, 11, stage=step.stage_id), "x", net.now)
+    assert isinstance(answer, Have) and answer.bits is None and answer.messages == 10
     # And for the source's digests of what its relay sent (serve/digests.py hashes the copy).
     net.request(b"down", span(10, 0, 5, step.stage_id, digests_only=True, verify=("sha256",)))
     digests = net.scheduler.transfers[(b"down", 10)]
