@@ -455,6 +455,43 @@ def test_bytes_per_path_are_medians_by_address() -> None:
     assert path_host("tcp://10.77.1.1:41509") == "10.77.1.1" and path_host("10.77.1.1") == "10.77.1.1"
 
 
+def test_disallow_scenario_checks_every_element_after_the_mutation() -> None:
+    done = _run("--scenario", "disallow", "--total", "8M", "--tensor", "1M", "--methods", "zmq-fresh", "--json")
+    assert done.returncode == 0, done.stderr
+    (scenario,) = json.loads(done.stdout)["scenarios"]
+    (trial,) = scenario["trials"]
+    assert trial["errors"] == [""]  # bit-exact with the staged step (or it says why not)
+    assert set(trial["disallow"]) == {"seconds", "needed_bytes", "snapshot_bytes", "memcpy_s"}
+    summary = scenario["summary"]["zmq-fresh"]
+    assert summary["exact_trials"] == 1 and summary["disallow_s"] is not None
+    args = bench.build_parser().parse_args(["--scenario", "lab-disallow", "--warm"])
+    with pytest.raises(SystemExit, match="--warm"):
+        bench.scenarios_from_args(args, available=frozenset())
+
+
+def test_issue23_targets_in_the_lab_and_on_loopback() -> None:
+    from zmqtransport.bench.config import PRESETS
+    from zmqtransport.bench.runner import ScenarioResult
+    from zmqtransport.bench.targets import evaluate_targets
+
+    def held(method: str, median: float, slowest: float, memcpy: float, exact: int) -> bench.runner.MethodSummary:
+        summary = _summary(method, {})
+        summary.disallow_s, summary.disallow_max_s, summary.memcpy_s = median, slowest, memcpy
+        summary.exact_trials = exact
+        return summary
+
+    lab_run = ScenarioResult(PRESETS["lab-disallow"], [], {"zmq-fresh": held("zmq-fresh", 0.03, 0.2, 0.02, 3)}, 1, True)
+    loopback = ScenarioResult(PRESETS["disallow"], [], {"zmq-inplace": held("zmq-inplace", 0.3, 0.4, 0.28, 2)}, 1, True)
+    verdicts = {(t.scenario, t.text): t.holds for t in evaluate_targets([lab_run, loopback]) if t.issue == 23}
+    assert verdicts == {
+        ("lab-disallow", "zmq-fresh: trials in which the receiver got the staged bytes"): True,
+        ("lab-disallow", "zmq-fresh: slowest disallow_checkpoint, seconds"): False,
+        ("disallow", "zmq-inplace: trials in which the receiver got the staged bytes"): False,
+        ("disallow", "zmq-inplace: disallow_checkpoint seconds beyond a memcpy of what the receive still needed"): True,
+    }
+    assert not [t for t in evaluate_targets([loopback]) if t.issue == 16]  # a disallow is not a speed run
+
+
 def _mixed_result() -> Any:
     from zmqtransport.bench.config import LabSpec, Scenario
     from zmqtransport.bench.runner import ScenarioResult

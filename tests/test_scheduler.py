@@ -348,18 +348,13 @@ def test_a_transfer_with_credit_left_is_not_stalled(net: Net) -> None:
 # ----------------------------------------------------------------------------- disallow
 
 
-def test_disallow_ends_running_transfers_and_parks_later_requests(net: Net) -> None:
+def test_disallow_serves_no_new_receive_and_parks_later_requests(net: Net) -> None:
+    """Running transfers go on (tests/test_withdrawn.py); a new fetch waits for the next staging."""
     net.execute(net.scheduler.stage(staged(messages=100), net.now))
     net.request(b"a", fetch(credit=2))
-    net.request(b"b", fetch(credit=2))
     net.pump()
-    net.execute(net.scheduler.disallow())
-    for peer in (b"a", b"b"):
-        assert net.ops(peer) == [("header", None), ("error", wire.ERR_DISALLOWED)]
-    assert net.scheduler.transfers == {} and net.scheduler.staged is None
-    net.request(b"a", credit(1, 5))
-    net.pump()
-    assert net.data(b"a") == [0, 1]  # nothing after the disallow
+    assert net.scheduler.disallow(net.now, cap=1 << 30) == (1, 98)  # its 98 messages not sent, 1 byte each
+    assert net.scheduler.staged is None and net.ops(b"a") == [("header", None)]
     net.request(b"c", fetch())
     assert net.inbox.get(b"c") is None and len(net.scheduler.parked) == 1
     net.execute(net.scheduler.stage(staged(step=STEP), net.now))
@@ -793,7 +788,8 @@ def test_disallow_of_the_staged_step_leaves_relayed_transfers_alone(net: Net) ->
     net.execute(net.scheduler.stage(staged(), net.now))
     net.request(b"down", fetch(xfer=1, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token))
     net.request(b"other", fetch(xfer=2))
-    net.execute(net.scheduler.disallow())
+    assert net.scheduler.disallow(net.now, cap=0) == (1, 8)  # "other": the relayed transfer is not the step's
+    net.tick(TIMEOUT)  # the withdrawn step's transfer ends at the timeout; the relayed one is untouched
     assert net.ops(b"other")[-1] == ("error", wire.ERR_DISALLOWED)
     assert list(net.scheduler.transfers) == [(b"down", 1)]
 

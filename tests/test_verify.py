@@ -261,7 +261,7 @@ def test_digest_requests_are_answered_with_bounded_hashing_per_round() -> None:
     ]:
         refusal = sched.on_request(b"r", bad, "10.0.0.9", 0.0)
         assert [a.code for a in refusal] == [code]  # type: ignore[union-attr]
-    sched.disallow()
+    sched.disallow(0.0, cap=0)  # nothing of it runs: nothing is kept
     assert [a.code for a in sched.on_request(b"r", request, "10.0.0.9", 0.0)] == ["disallowed"]  # type: ignore[union-attr]
 
 

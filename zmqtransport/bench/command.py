@@ -184,6 +184,8 @@ def scenarios_from_args(args: argparse.Namespace, available: frozenset[str]) -> 
             settle = settle_for(total)
         else:
             settle = scenario.settle_s
+        if scenario.disallow is not None and args.warm:
+            raise SystemExit(f"--warm does not apply to {scenario.name}: its step is withdrawn mid-transfer")
         spec = scenario.lab
         if spec is not None and args.rate is not None:
             spec = LabSpec(spec.nics, args.rate)

@@ -1,4 +1,4 @@
-"""The performance targets of issues 4, 12, 13, 16, 21, 22 and 24, checked wherever a run measured what they need."""
+"""The performance targets of issues 4, 12, 13, 16 and 21 to 24, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issues 4, 12, 13, 16, 21, 22 and 24, wherever the run measured what they need."""
+    """The performance targets of issues 4, 12, 13, 16, 21, 22, 23 and 24, wherever the run measured what they need."""
     return (
         _issue4_targets(results)
         + _issue12_targets(results)
@@ -34,8 +34,38 @@ def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         + _issue16_targets(results)
         + _issue21_targets(results)
         + _issue22_targets(results)
+        + _issue23_targets(results)
         + _issue24_targets(results)
     )
+
+
+# Issue 23 (disallow keeps the contract): the most seconds the source may be held in the lab, and on
+# loopback beyond one memcpy of what it copied.
+_LAB_DISALLOW_S = 0.15
+_BEYOND_MEMCPY_S = 0.05
+_DISALLOWING = ("zmq-inplace", "zmq-fresh")
+
+
+def _issue23_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    targets: list[Target] = []
+    for result in results:
+        scenario = result.scenario
+        if scenario.disallow is None:
+            continue
+        for method in _DISALLOWING:
+            entry = result.summary.get(method)
+            if entry is None or entry.disallow_max_s is None:
+                continue
+            text = f"{method}: trials in which the receiver got the staged bytes"
+            targets.append(Target(scenario.name, text, entry.exact_trials, scenario.reps, True, 23))
+            if scenario.lab is not None:
+                text = f"{method}: slowest disallow_checkpoint, seconds"
+                targets.append(Target(scenario.name, text, entry.disallow_max_s, _LAB_DISALLOW_S, False, 23))
+            elif entry.disallow_s is not None and entry.memcpy_s is not None:
+                text = f"{method}: disallow_checkpoint seconds beyond a memcpy of what the receive still needed"
+                measured = entry.disallow_s - entry.memcpy_s
+                targets.append(Target(scenario.name, text, measured, _BEYOND_MEMCPY_S, False, 23))
+    return targets
 
 
 # Issue 12 (several paths and streams, in the lab): (method, NICs per host, most seconds / one stream's seconds).
@@ -188,6 +218,8 @@ def _issue16_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         scenario = result.scenario
         if scenario.lab is not None or scenario.total_bytes < 64 << 20 or scenario.layout != UNIFORM:
             continue
+        if scenario.disallow is not None:
+            continue  # a disallow mid-transfer is not a speed run
         several = scenario.receivers > 1
         checks: tuple[tuple[str, str, float], ...]
         if several:
