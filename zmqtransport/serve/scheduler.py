@@ -14,7 +14,7 @@ per round, so concurrent receivers share the link.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .. import digests, wire
@@ -91,6 +91,11 @@ class Transfer:
     @property
     def key(self) -> Key:
         return (self.peer, self.xfer)
+
+    def grant(self, credit: int, now: float) -> None:
+        """The receiver granted ``credit`` more data messages (at most :data:`wire.MAX_CREDIT` held)."""
+        self.credit = min(wire.MAX_CREDIT, self.credit + credit)
+        self.last_progress = now
 
     @property
     def done(self) -> bool:
@@ -240,10 +245,8 @@ class Scheduler:
     def on_request(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
         key = (peer, request.xfer)
         if request.op == wire.OP_CREDIT:
-            transfer = self.transfers.get(key)
-            if transfer is not None:
-                transfer.credit = min(wire.MAX_CREDIT, transfer.credit + request.credit)
-                transfer.last_progress = now
+            if key in self.transfers:
+                self.transfers[key].grant(request.credit, now)
             return []
         if request.op == wire.OP_CANCEL:
             self.transfers.pop(key, None)
@@ -330,12 +333,8 @@ class Scheduler:
 
     def stop_relay(self, token: bytes) -> list[Action]:
         """Stop relaying: its running transfers end ``not_relaying`` (their receivers fetch elsewhere)."""
-        relayed = self.relaying.steps.pop(token, None)
-        aborts: list[Action] = []
-        for transfer in list(self.transfers.values()):
-            if transfer.staged is relayed:
-                aborts.append(self._abort(transfer, wire.ERR_NOT_RELAYING, "this relay has stopped relaying"))
-        return aborts
+        stopped = self.relaying.stop(token, self.transfers.values())
+        return [self._abort(t, wire.ERR_NOT_RELAYING, "this relay has stopped relaying") for t in stopped]
 
     def next_round(self) -> list[Transfer]:
         """Transfers that may send their next data message now, one message each."""
@@ -361,24 +360,16 @@ class Scheduler:
             # Only requests re-parked by undelivered after a forced rebind wait
             # while a step is staged: retry them now that their peer may be back.
             actions += self._retry_parked(now)
-        for parked in self.relaying.late(now):
-            message = "this receiver relays nothing under that token"
-            actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_RELAYING, message))
-        expired = [p for p in self.parked if p.deadline <= now]
-        if expired:
-            self.parked = [p for p in self.parked if p.deadline > now]
-            for parked in expired:
-                message = f"no checkpoint was staged for step {parked.request.step} in time"
-                actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_STAGED, message))
+        actions += self.relaying.late(now)
+        late = [p for p in self.parked if p.deadline <= now]
+        self.parked = [p for p in self.parked if p.deadline > now]
+        for p in late:
+            message = f"no checkpoint was staged for step {p.request.step} in time"
+            actions.append(Refuse(p.peer, p.request.xfer, wire.ERR_NOT_STAGED, message))
         for transfer in list(self.transfers.values()):
-            # A digest request waits only for device memory, hashed as the pump sends it; a paused
-            # transfer, for its connection to drain (serve/frames.py).
-            waiting = transfer.credit == 0 or transfer.digests_only or transfer.paused
-            if waiting and now - transfer.last_progress > self.stall:
-                message = f"receiver granted no credit and took no data for {self.stall:.1f} s"
-                if transfer.digests_only:
-                    message = f"no digest of message {transfer.next_seq} came within {self.stall:.1f} s"
-                actions.append(self._abort(transfer, wire.ERR_STALLED, message))
+            why = stalled(transfer, now, self.stall)
+            if why is not None:
+                actions.append(self._abort(transfer, wire.ERR_STALLED, why))
         overdue = self.withdrawals.expire(self.transfers.values(), now)
         actions += [self._abort(t, wire.ERR_DISALLOWED, "disallowed a transport timeout ago") for t in overdue]
         return actions
@@ -422,18 +413,17 @@ class Scheduler:
     ) -> list[Action]:
         staged = self.staged
         assert staged is not None
-        refusal = self._refusal(peer, request, staged, parked)
-        if refusal is not None:
-            return [refusal]
+        # The limits are checked here, not when a request is parked: requests
+        # parked while nothing was staged all start at once when a step is staged.
+        code, message = start_refusal(request, staged, self._busy(peer))
+        if code is not None:
+            return [Refuse(peer, request.xfer, code, message, parked)]
         if request.span is not None:
             return self._start_span(peer, request, address, now, staged)
         algorithm = digests.choose(request.verify)
         order = None
         if request.relay is not None and (self.relay_loopback or not self.is_local(address)):
-            # Only a receiver that verifies (offered an algorithm this side has) is sent to other members.
-            order = self.swarm.offer(peer, request.relay, address, self.make_token(), follows=algorithm is not None)
-            if order is not None and algorithm is not None:
-                self.swarm.algorithm = algorithm
+            order = self.swarm.offer(peer, request.relay, address, self.make_token(), algorithm)
         # A receiver sent to a relay gets the header alone: it asks the relay for the data.
         header_only = request.header_only or (order is not None and order.upstream is not None)
         digest = algorithm.name if algorithm is not None else None
@@ -442,13 +432,10 @@ class Scheduler:
             self.withdrawals.reader(peer)  # it fetches spans as it goes
             return [header]
         hashing = transfer_hashing(request, staged, relays=order is not None)
-        transfer = Transfer(
-            peer, request.xfer, staged, request.credit, address, started=now, last_progress=now, hashing=hashing
-        )
-        self.transfers[transfer.key] = transfer
+        transfer = Transfer(peer, request.xfer, staged, request.credit, address, now, now, hashing=hashing)
         if transfer.done:  # nothing to send: only the header and the end
-            del self.transfers[transfer.key]
             return [header, Finish(transfer, 0.0)]
+        self.transfers[transfer.key] = transfer
         return [header]
 
     def _have(self, peer: bytes, request: wire.Request, address: str, now: float) -> Have | Refuse:
@@ -456,9 +443,9 @@ class Scheduler:
         everything, and the swarm's other members (``request.token`` is the asker's own: asked from
         ``address``, that member's paths there are believed too)."""
         token = request.token
-        relayed = self.relaying.steps.get(token) if token is not None else None
-        if relayed is not None and relayed.stage_id == request.stage:
-            return Have(peer, request.xfer, relayed.have, relayed.messages, coming=relayed.coming)
+        relayed = self.relaying.have(peer, request)
+        if relayed is not None:
+            return relayed
         staged = self.staged
         if staged is not None and staged.stage_id == request.stage:
             if token is not None:
@@ -472,24 +459,10 @@ class Scheduler:
 
     def _start_relayed(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
         """A span fetch to this side as a relay: served from the step it is receiving, as it lands."""
-        assert request.token is not None and request.span is not None  # wire.decode_request
-        relayed = self.relaying.steps.get(request.token)
-        if relayed is None:
-            # The source may have sent a downstream here before this receiver,
-            # busy parsing the same header, registered the token: wait a little.
-            if not self.relaying.wait(Parked(peer, request, now + RELAY_REGISTER_GRACE, address)):
-                return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")]
-            return []
-        if request.step != relayed.step or request.stage != relayed.stage_id:
-            return [Refuse(peer, request.xfer, wire.ERR_WRONG_STEP, f"this receiver relays step {relayed.step}")]
-        if request.span[1] > relayed.messages:
-            return [Refuse(peer, request.xfer, wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the plan")]
-        busy = self._busy(peer)
-        if busy is not None:
-            return [Refuse(peer, request.xfer, wire.ERR_BUSY, busy)]
-        relayed.served = True
-        relayed.peers.add(peer)
-        return self._start_span(peer, request, address, now, relayed)
+        admitted = self.relaying.admit(Parked(peer, request, now + RELAY_REGISTER_GRACE, address), self._busy(peer))
+        if isinstance(admitted, Relayed):
+            return self._start_span(peer, request, address, now, admitted)
+        return [] if admitted is None else [admitted]
 
     def _start_span(
         self, peer: bytes, request: wire.Request, address: str, now: float, staged: Served
@@ -508,37 +481,50 @@ class Scheduler:
         self.transfers[transfer.key] = transfer
         return []
 
-    def _refusal(self, peer: bytes, request: wire.Request, staged: Staged, parked: Parked | None) -> Refuse | None:
-        code, message = self._refusal_reason(peer, request, staged)
-        return None if code is None else Refuse(peer, request.xfer, code, message, parked)
-
-    def _data_transfers(self, peer: bytes | None = None) -> int:
-        """Transfers (of ``peer``, or all) that send data: digest requests have bounds of their own."""
-        return sum(1 for t in self.transfers.values() if not t.digests_only and peer in (None, t.peer))
-
-    def _refusal_reason(self, peer: bytes, request: wire.Request, staged: Staged) -> tuple[str | None, str]:
-        code, message = span_refusal(request, staged)
-        if code is not None:
-            return code, message
-        if staged.tree.has_pickle and not request.accept_pickle:
-            message = f"step {staged.step} holds pickled objects and the receiver does not accept pickle"
-            return wire.ERR_PICKLE, message
-        # Checked here, not when a request is parked: requests parked while
-        # nothing was staged all start at once when a step is staged.
-        busy = self._busy(peer)
-        return (None, "") if busy is None else (wire.ERR_BUSY, busy)
-
     def _busy(self, peer: bytes) -> str | None:
-        """Why one more data transfer from ``peer`` would exceed the limits (None: it would not)."""
-        if self._data_transfers(peer) >= self.limits.transfers_per_peer:
-            return "too many transfers from this peer"
-        if self._data_transfers() >= self.limits.transfers:
-            return "too many concurrent transfers"
-        return None
+        return busy_reason(self.transfers.values(), peer, self.limits)
 
     def _abort(self, transfer: Transfer, code: str, message: str) -> Abort:
         self.transfers.pop(transfer.key, None)
         return Abort(transfer, code, message)
+
+
+def start_refusal(request: wire.Request, staged: Staged, busy: str | None) -> tuple[str | None, str]:
+    """Why a fetch of the staged step is refused, if it is; ``busy``: why the limits refuse it."""
+    code, message = span_refusal(request, staged)
+    if code is not None:
+        return code, message
+    if staged.tree.has_pickle and not request.accept_pickle:
+        return wire.ERR_PICKLE, f"step {staged.step} holds pickled objects and the receiver does not accept pickle"
+    return (None, "") if busy is None else (wire.ERR_BUSY, busy)
+
+
+def busy_reason(transfers: Iterable[Transfer], peer: bytes, limits: Limits) -> str | None:
+    """Why one more data transfer from ``peer`` would exceed the limits (None: it would not).
+
+    Digest requests do not count: they have bounds of their own.
+    """
+    data = [t for t in transfers if not t.digests_only]
+    if sum(1 for t in data if t.peer == peer) >= limits.transfers_per_peer:
+        return "too many transfers from this peer"
+    if len(data) >= limits.transfers:
+        return "too many concurrent transfers"
+    return None
+
+
+def stalled(transfer: Transfer, now: float, stall: float) -> str | None:
+    """Why ``transfer`` is stalled (None: it is not): it waited ``stall`` seconds without progress.
+
+    A transfer waits for credit; a digest request, only for device memory
+    hashed as the pump sends it; a paused transfer, for its connection to
+    drain (serve/frames.py).
+    """
+    waiting = transfer.credit == 0 or transfer.digests_only or transfer.paused
+    if not waiting or now - transfer.last_progress <= stall:
+        return None
+    if transfer.digests_only:
+        return f"no digest of message {transfer.next_seq} came within {stall:.1f} s"
+    return f"receiver granted no credit and took no data for {stall:.1f} s"
 
 
 def span_refusal(request: wire.Request, staged: Staged | Snapshot) -> tuple[str | None, str]:
@@ -633,18 +619,49 @@ class RelayedSteps:
         self.waiting = [p for p in self.waiting if p.request.token != relayed.token]
         return early
 
-    def wait(self, parked: Parked) -> bool:
-        """A span fetch waits for its token until ``parked.deadline``; False when too many wait already."""
-        if len(self.waiting) >= self.limit:
-            return False
-        self.waiting.append(parked)
-        return True
+    def admit(self, fetch: Parked, busy: str | None) -> Relayed | Refuse | None:
+        """A span fetch showing a token: the step to serve it from, its refusal, or None while it waits.
 
-    def late(self, now: float) -> list[Parked]:
-        """The span fetches whose wait has ended (forgotten here)."""
+        ``busy``: why the limits refuse it. A fetch for a token not registered
+        yet waits until ``fetch.deadline``: the source may have sent a downstream
+        here before this receiver, busy parsing the same header, registered it.
+        """
+        peer, request = fetch.peer, fetch.request
+        assert request.token is not None and request.span is not None  # wire.decode_request
+        relayed = self.steps.get(request.token)
+        if relayed is None:
+            if len(self.waiting) >= self.limit:
+                return Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")
+            self.waiting.append(fetch)
+            return None
+        if request.step != relayed.step or request.stage != relayed.stage_id:
+            return Refuse(peer, request.xfer, wire.ERR_WRONG_STEP, f"this receiver relays step {relayed.step}")
+        if request.span[1] > relayed.messages:
+            return Refuse(peer, request.xfer, wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the plan")
+        if busy is not None:
+            return Refuse(peer, request.xfer, wire.ERR_BUSY, busy)
+        relayed.served = True
+        relayed.peers.add(peer)
+        return relayed
+
+    def have(self, peer: bytes, request: wire.Request) -> Have | None:
+        """What this side holds of the step it relays under ``request.token`` (None: it relays no such step)."""
+        relayed = self.steps.get(request.token) if request.token is not None else None
+        if relayed is None or relayed.stage_id != request.stage:
+            return None
+        return Have(peer, request.xfer, relayed.have, relayed.messages, coming=relayed.coming)
+
+    def stop(self, token: bytes, transfers: Iterable[Transfer]) -> list[Transfer]:
+        """Relay ``token``'s step no more; returns the transfers serving it (to end)."""
+        relayed = self.steps.pop(token, None)
+        return [t for t in transfers if t.staged is relayed]
+
+    def late(self, now: float) -> list[Refuse]:
+        """Refusals of the span fetches whose wait has ended (forgotten here)."""
         late = [p for p in self.waiting if p.deadline <= now]
         self.waiting = [p for p in self.waiting if p.deadline > now]
-        return late
+        message = "this receiver relays nothing under that token"
+        return [Refuse(p.peer, p.request.xfer, wire.ERR_NOT_RELAYING, message) for p in late]
 
     def left(self, peer: bytes) -> None:
         """The connection of ``peer`` closed: that downstream's receive has ended."""

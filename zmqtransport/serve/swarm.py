@@ -64,15 +64,21 @@ class Swarm:
         newest_at, newest_token = known[-1]
         return wire.RelayOrder(token, newest_at, newest_token, known)
 
-    def offer(self, peer: bytes, offer: str, address: str, token: bytes, follows: bool) -> wire.RelayOrder | None:
+    def offer(
+        self, peer: bytes, offer: str, address: str, token: bytes, algorithm: digests.Algorithm | None
+    ) -> wire.RelayOrder | None:
         """A receiver at ``address`` offered to relay at ``offer``: joined under the paths on its own host.
 
-        None: no path of the offer is on that host (:func:`believable_offer`); it is served directly.
+        ``algorithm``: the digest algorithm it verifies with (None: it does not
+        verify, and is sent to no other member). None: no path of the offer is
+        on that host (:func:`believable_offer`); it is served directly.
         """
         at = believable_offer(offer, [address])
         if at is None:
             return None
-        order = self.join(peer, at, token, follows)
+        order = self.join(peer, at, token, follows=algorithm is not None)
+        if algorithm is not None:
+            self.algorithm = algorithm
         self.offers[token] = (offer, frozenset([address]))
         return order
 
