@@ -139,8 +139,14 @@ def test_a_relay_that_fails_mid_transfer_hands_its_downstream_to_the_source(make
 def _relay_child(metadata: str, step: int, killed_at: int) -> None:
     def die(done: int, total: int) -> None:
         time.sleep(0.004)
-        if done >= killed_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if done < killed_at:
+            return
+        # Die once this relay has forwarded a span to the downstream, which a
+        # loaded machine may start after the relay is a third through.
+        deadline = time.monotonic() + 10
+        while receiver.sent_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     receiver: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK, progress=die)
     receiver.recv_checkpoint(0, metadata, step, TIMEOUT)
@@ -182,7 +188,9 @@ def test_relay_memory_is_the_callers_once_its_receive_returns(make_transport: An
 
     first = threading.Thread(target=relay_then_scribble)
     first.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while not sender._server._scheduler.chain.members and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the relay has asked for the header (and joined the chain)
     results[1] = downstream.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
     first.join(60)
     assert results[0]["w"] is mine["w"]
