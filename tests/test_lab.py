@@ -47,6 +47,7 @@ def nothing_left_behind() -> Iterator[None]:
     assert not left, f"namespaces left behind: {left}"
 
 
+@pytest.mark.system
 def test_plan_shapes_every_nic_in_both_directions() -> None:
     plan = build_plan(["a0", "a1"], "sw", nics=2, shaping=Shaping(100.0))
     shaped = [" ".join(line) for key, lines in plan.items() if key.startswith("tc:") for line in lines]
@@ -63,6 +64,7 @@ def test_plan_shapes_every_nic_in_both_directions() -> None:
     assert next(iter(plan)) == "ip:sw"
 
 
+@pytest.mark.system
 def test_bad_shape_is_refused() -> None:
     with pytest.raises(ValueError, match=r"1\.\.250 hosts"):
         Lab(hosts=0)
@@ -70,6 +72,7 @@ def test_bad_shape_is_refused() -> None:
         Lab(hosts=2, rate_mbit=0)
 
 
+@pytest.mark.system
 @needs_lab
 def test_rate_limited_tcp_transfer_and_counters() -> None:
     nbytes, rate_mbit = 4 << 20, 100.0
@@ -89,6 +92,7 @@ def test_rate_limited_tcp_transfer_and_counters() -> None:
     assert lab.namespace(0) not in _namespaces()
 
 
+@pytest.mark.system
 @needs_lab
 def test_link_down_and_up() -> None:
     with Lab(hosts=2, nics=2, rate_mbit=400) as lab:
@@ -103,6 +107,7 @@ def test_link_down_and_up() -> None:
         assert tcp_transfer(lab, 0, 1, 1 << 20, nic=1, timeout=30.0).received == 1 << 20
 
 
+@pytest.mark.system
 @needs_lab
 def test_removed_on_error() -> None:
     with pytest.raises(RuntimeError, match="boom"), Lab(hosts=2) as lab:
@@ -111,6 +116,7 @@ def test_removed_on_error() -> None:
     assert not set(names) & set(_namespaces())
 
 
+@pytest.mark.system
 @needs_lab
 def test_removed_on_sigterm() -> None:
     script = textwrap.dedent(
@@ -137,6 +143,7 @@ def test_removed_on_sigterm() -> None:
     assert not [name for name in _namespaces() if name.startswith(prefix)]
 
 
+@pytest.mark.system
 @needs_lab
 def test_leftovers_of_a_dead_process_are_removed() -> None:
     dead = subprocess.Popen(["true"])
@@ -211,6 +218,7 @@ def _transfer_between_two_hosts(rate_mbit: float, stall: float) -> tuple[float, 
 STATE_BYTES = 4 * (1 << 18) * 4 + 1000 * 8
 
 
+@pytest.mark.system
 @needs_lab
 def test_zmq_transport_between_two_hosts_is_bit_exact_and_link_bound() -> None:
     seconds, sent, floor = _transfer_between_two_hosts(rate_mbit=100, stall=5.0)
@@ -219,6 +227,7 @@ def test_zmq_transport_between_two_hosts_is_bit_exact_and_link_bound() -> None:
     assert STATE_BYTES <= sent <= STATE_BYTES * 1.06 + (64 << 10)
 
 
+@pytest.mark.system
 @needs_lab
 def test_slow_progressing_transfer_is_never_cut_by_the_stall_bound() -> None:
     # 4 MiB at 10 Mbit/s: about 3.4 s, each 1 MiB data message about 0.9 s, so the
@@ -357,6 +366,7 @@ def _cut_when_a_quarter_is_sent(lab: Lab, before: dict[int, tuple[int, int]], ni
 PATHS_BYTES = PATHS_MIB << 20
 
 
+@pytest.mark.system
 @needs_lab
 def test_two_paths_both_carry_the_checkpoint() -> None:
     with Lab(hosts=2, nics=2, rate_mbit=PATHS_RATE_MBIT) as lab:
@@ -388,6 +398,7 @@ def test_a_path_cut_mid_transfer_is_taken_over_by_the_other(cut: int) -> None:
     assert run.sent[kept] >= PATHS_BYTES - run.cut_at[cut], (run.sent, run.cut_at)
 
 
+@pytest.mark.system
 @needs_lab
 def test_every_path_cut_fails_in_time_naming_the_paths() -> None:
     with Lab(hosts=2, nics=2, rate_mbit=PATHS_RATE_MBIT) as lab:
@@ -400,6 +411,7 @@ def test_every_path_cut_fails_in_time_naming_the_paths() -> None:
         assert endpoint in outcome["message"], outcome
 
 
+@pytest.mark.system
 @needs_lab
 @pytest.mark.parametrize("unreachable", ["no-listener", "receiver-link-down"])
 def test_an_unreachable_preferred_path_is_skipped(unreachable: str) -> None:
@@ -556,6 +568,7 @@ def _fan_out(lab: Lab, count: int, relay: bool = True, kill_first_at: float = 0.
     return FanOut(source, advertised, outcomes, [r.returncode for r in receivers], uploaded)
 
 
+@pytest.mark.system
 @needs_lab
 @pytest.mark.parametrize("relay", [True, False], ids=["relay", "relay-off"])
 def test_three_receivers_on_three_hosts(relay: bool) -> None:
@@ -578,6 +591,7 @@ def test_three_receivers_on_three_hosts(relay: bool) -> None:
         assert from_receivers == 0, [o["paths"] for o in outcomes]
 
 
+@pytest.mark.system
 @needs_lab
 def test_a_relay_sigkilled_mid_transfer() -> None:
     with Lab(hosts=4, nics=1, rate_mbit=RELAY_RATE_MBIT) as lab:

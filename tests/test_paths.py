@@ -435,6 +435,7 @@ transport.shutdown()
 """
 
 
+@pytest.mark.system
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_lab_receive_uses_the_second_nic_when_the_first_is_down() -> None:
     env = dict(os.environ)
