@@ -28,13 +28,14 @@ PHASES = ("unpack", "header", "validate", "plan", "land", "chunks", "runs", "bui
 def child(path: str) -> None:
     import gc
 
-    from zmqtransport import buffers, landing, wire
-    from zmqtransport import landed as landed_mod
+    from zmqtransport import buffers, wire
+    from zmqtransport.fetch import landed as landed_mod
+    from zmqtransport.fetch import landing
 
     with open(path, "rb") as file:
         body = file.read()
     buffers.settle_malloc_thresholds()
-    gc.disable()  # as receiver.paused_gc does for a receive
+    gc.disable()  # as gcpause.paused_gc does for a receive
     marks = [time.perf_counter()]
     message = wire.unpack(body, wire.MAX_HEADER_BYTES)
     marks.append(time.perf_counter())

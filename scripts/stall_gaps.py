@@ -42,7 +42,8 @@ def _sender(gib: float, rounds: int, receivers: int, barrier: Any, meta: Any, do
 
 
 def _receiver(metadata: str, rounds: int, barrier: Any, done: Any, results: Any) -> None:
-    from zmqtransport import ZMQTransport, liveness
+    from zmqtransport import ZMQTransport
+    from zmqtransport.fetch import liveness
 
     waits: list[float] = []
     arrivals: list[float] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -107,7 +108,7 @@ def test_lab_scenario_reports_the_source_upload() -> None:
     done = _run("--scenario", "lab-1to1", "--total", "256K", "--tensor", "64K", "--methods", "zmq-fresh", "--json")
     assert done.returncode == 0, done.stderr
     (scenario,) = json.loads(done.stdout)["scenarios"]
-    assert scenario["scenario"]["lab"] == {"nics": 1, "rate_mbit": 400.0}
+    assert scenario["scenario"]["lab"] == {"nics": 1, "rate_mbit": 400.0, "host_rates": []}
     (sent,) = scenario["summary"]["zmq-fresh"]["source_sent"]
     assert 256 << 10 <= sent <= (256 << 10) * 1.1
 
@@ -319,8 +320,8 @@ def test_issue13_targets_compare_several_receivers_with_one_in_the_same_run() ->
     summary = format_relay_summary([one, three, seven, killed, other_rate])
     rows = {tuple(line.split()[:2]): line.split() for line in summary.splitlines()[2:]}
     # zmq-norelay has no one-receiver row of its own: it is compared with zmq-fresh's.
-    assert rows[("lab-1to3", "zmq-norelay")][4:] == ["4.200", "1.400", "(zmq-fresh)", "3.00", "1.02"]
-    assert rows[("lab-1to3", "http-4")][4:] == ["4.200", "1.400", "3.00", "1.02"]
+    assert rows[("lab-1to3", "zmq-norelay")][4:] == ["-", "4.200", "1.400", "(zmq-fresh)", "3.00", "1.02"]
+    assert rows[("lab-1to3", "http-4")][4:] == ["-", "4.200", "1.400", "3.00", "1.02"]
     assert ("other", "zmq-fresh") not in rows  # no one-receiver row at its rate
     assert host_label("tcp://10.77.0.1:5000") == "src" and host_label("tcp://10.77.0.4:1") == "r3"
     assert host_label("tcp://127.0.0.1:5") == "127.0.0.1"
@@ -329,17 +330,90 @@ def test_issue13_targets_compare_several_receivers_with_one_in_the_same_run() ->
     assert "r2 1.50 s <- r3 64.0; r3 1.60 s <- src 40.0, r1 24.0" in detail
 
 
+def test_issue21_targets_compare_a_rogue_relay_with_the_clean_fan_out() -> None:
+    from zmqtransport.bench.config import Rogue
+    from zmqtransport.bench.relayreport import format_relay_summary
+    from zmqtransport.bench.targets import evaluate_targets
+
+    one = _relay_result("lab-1to1", 1, {"zmq-fresh": 1.4}, 1.0)
+    three = _relay_result("lab-1to3", 3, {"zmq-fresh": 1.6}, 1.02)
+    flip = _relay_result("lab-rogue-flip", 3, {"zmq-fresh": 2.4}, 1.9)
+    silent = _relay_result("lab-rogue-silent", 3, {"zmq-fresh": 3.5}, 2.0)
+    for result, mode in ((flip, "flip"), (silent, "silent")):
+        result.scenario = replace(result.scenario, rogue=Rogue(mode), lead_s=0.2)
+    targets = [t for t in evaluate_targets([one, three, flip, silent]) if t.issue == 21]
+    verdicts = {(t.scenario, t.text): (round(t.measured, 2), t.limit, t.holds) for t in targets}
+    assert verdicts == {
+        ("lab-rogue-flip", "zmq-fresh slowest honest / clean fan-out slowest (rogue relay: flip)"): (1.5, 2.0, True),
+        ("lab-rogue-silent", "zmq-fresh slowest honest / clean fan-out slowest (rogue relay: silent)"): (
+            2.19,
+            2.0,
+            False,
+        ),
+    }
+    # Issue 13's targets leave the rogue rows alone; the relay table names the rogue's mode.
+    assert not [t for t in evaluate_targets([one, three, flip]) if t.issue == 13 and "rogue" in t.scenario]
+    rows = {line.split()[0]: line.split() for line in format_relay_summary([one, three, flip]).splitlines()[2:]}
+    assert rows["lab-rogue-flip"][4] == "flip" and rows["lab-1to3"][4] == "-"
+
+
+def test_rogue_presets_are_chosen_together() -> None:
+    args = bench.build_parser().parse_args(["--scenario", "rogue"])
+    scenarios = bench.scenarios_from_args(args, available=frozenset({"torchft"}))
+    assert [(s.name, s.rogue.mode if s.rogue else None) for s in scenarios] == [
+        ("lab-1to1", None),
+        ("lab-1to3", None),
+        ("lab-rogue-flip", "flip"),
+        ("lab-rogue-error", "error"),
+        ("lab-rogue-silent", "silent"),
+        ("lab-rogue-shutdown", "shutdown"),
+    ]
+
+
 def test_relay_presets_are_chosen_together() -> None:
     args = bench.build_parser().parse_args(["--scenario", "relay"])
     scenarios = bench.scenarios_from_args(args, available=frozenset({"torchft"}))
-    assert [s.name for s in scenarios] == ["lab-1to1", "lab-1to3", "lab-1to7", "lab-kill"]
+    assert [s.name for s in scenarios] == ["lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed"]
     shapes = {s.name: (s.receivers, s.kill is not None, "zmq-norelay" in s.methods) for s in scenarios}
     assert shapes == {
         "lab-1to1": (1, False, False),
         "lab-1to3": (3, False, True),
         "lab-1to7": (7, False, True),
         "lab-kill": (3, True, True),
+        "lab-mixed": (3, False, True),
     }
+    mixed = scenarios[-1]
+    assert mixed.lab is not None and mixed.lab.mixed and mixed.lead_s > 0
+    # The first to ask (receiver 1, host 1) is on a link 4x slower than the others'.
+    assert [mixed.lab.rate_of(host) for host in range(4)] == [400.0, 100.0, 400.0, 400.0]
+
+
+def test_issue22_targets_hold_each_receiver_to_its_own_link() -> None:
+    from zmqtransport.bench.config import LabSpec, Scenario
+    from zmqtransport.bench.relayreport import format_link_summary
+    from zmqtransport.bench.runner import ScenarioResult
+    from zmqtransport.bench.targets import evaluate_targets
+
+    lab = LabSpec(host_rates=((1, 100.0),))
+    scenario = Scenario("lab-mixed", 32 << 20, 4 << 20, receivers=3, lab=lab, lead_s=0.2)
+    # Own ideals: 32 MiB at 100 Mbit/s 2.68 s (r1); at 400 Mbit/s 0.67 s (r2, r3).
+    trials = [_relay_trial("zmq-fresh", [2.9, 0.8, 0.95], [{}, {}, {}], []) for _ in range(3)]
+    trials += [_relay_trial("http-4", [2.8, 1.6, 1.7], [{}, {}, {}], []) for _ in range(3)]
+    summary = {"zmq-fresh": _timed("zmq-fresh", 2.9), "http-4": _timed("http-4", 2.8)}
+    summary["zmq-fresh"].source_sent = [int(1.5 * (32 << 20))]
+    summary["http-4"].source_sent = [3 * (32 << 20)]
+    result = ScenarioResult(scenario, trials, summary, 1.0, True)
+    targets = {t.text: (round(t.measured, 2), t.holds) for t in evaluate_targets([result]) if t.issue == 22}
+    assert targets == {
+        "zmq-fresh r1 (100 Mbit/s) seconds / its own link's ideal": (1.08, True),
+        "zmq-fresh r2 (400 Mbit/s) seconds / its own link's ideal": (1.19, True),
+        "zmq-fresh r3 (400 Mbit/s) seconds / its own link's ideal": (1.42, False),
+        "zmq-fresh source upload / state": (1.5, True),
+    }
+    table = format_link_summary([result])
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in table.splitlines()[2:]}
+    assert rows[("lab-mixed", "http-4", "r2")] == ["400", "1.600", "0.671", "2.38", "3.00"]
+    assert rows[("lab-mixed", "zmq-fresh", "r1")] == ["100", "2.900", "2.684", "1.08", "1.50"]
 
 
 @pytest.mark.system

@@ -29,7 +29,8 @@ from typing import IO, Any
 import pytest
 import torch
 
-from zmqtransport import ZMQTransport, cli, tree
+from zmqtransport import ZMQTransport, cli
+from zmqtransport.codec import skeleton
 
 from .conftest import assert_same
 
@@ -381,7 +382,7 @@ def test_inspect_describes_without_transferring(peer: Peer) -> None:
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     state = build_state(3)
-    encoded = tree.encode_tree(state)
+    encoded = skeleton.encode_tree(state)
     assert info["step"] == 3
     assert info["peer"] == peer.metadata
     assert info["tensors"] == len(encoded.tensors) == 9
@@ -403,6 +404,24 @@ def test_inspect_describes_without_transferring(peer: Peer) -> None:
     assert "step            3" in text.stdout
     assert "tensors         9 (in 8 storages)" in text.stdout
     assert "bfloat16 x1" in text.stdout
+
+
+def test_inspect_digests_checks_a_fetched_checkpoint_against_the_source(peer: Peer, tmp_path: Path) -> None:
+    output = tmp_path / "step3.pt"
+    assert run_cli("fetch", peer.metadata, "--step", "3", "-o", str(output), "--progress", "none").returncode == 0
+    result = run_cli("inspect", peer.metadata, "--step", "3", "--digests", "--check", str(output), "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["algorithm"] in ("sha256", "blake3") and len(info["root"]) == 64
+    assert info["check"]["same"] == info["data_messages"] and not info["check"]["different"]
+    # One changed number in one tensor: the message carrying it differs, and is named.
+    state = torch.load(output, weights_only=True)
+    state["model"]["rows"][7, 3] += 1
+    torch.save(state, output)
+    text = run_cli("inspect", peer.metadata, "--step", "3", "--digests", "--check", str(output))
+    assert text.returncode == 1, text.stderr
+    assert "DIFFERS from the source" in text.stdout and "state['model']['rows']" in text.stdout, text.stdout
+    assert run_cli("inspect", peer.metadata, "--step", "3", "--check", str(output)).returncode == 1  # needs --digests
 
 
 def test_inspect_errors_are_one_line(peer: Peer) -> None:

@@ -18,7 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zmqtransport import tree, wire
+from zmqtransport import wire
+from zmqtransport.codec import dtypes, tensors
+from zmqtransport.codec import skeleton as codec_skeleton
 from zmqtransport.errors import ProtocolError
 
 PROPERTY = settings(
@@ -45,18 +47,18 @@ MSGPACK_VALUES = st.recursive(
 )
 
 TAGS = [
-    tree.TAG_LIST,
-    tree.TAG_TUPLE,
-    tree.TAG_DICT,
-    tree.TAG_ORDERED_DICT,
-    tree.TAG_NAMEDTUPLE,
-    tree.TAG_TENSOR,
-    tree.TAG_DTENSOR,
-    tree.TAG_BIGINT,
-    tree.TAG_DTYPE,
-    tree.TAG_SIZE,
-    tree.TAG_DEVICE,
-    tree.TAG_PICKLE,
+    codec_skeleton.TAG_LIST,
+    codec_skeleton.TAG_TUPLE,
+    codec_skeleton.TAG_DICT,
+    codec_skeleton.TAG_ORDERED_DICT,
+    codec_skeleton.TAG_NAMEDTUPLE,
+    codec_skeleton.TAG_TENSOR,
+    codec_skeleton.TAG_DTENSOR,
+    codec_skeleton.TAG_BIGINT,
+    codec_skeleton.TAG_DTYPE,
+    codec_skeleton.TAG_SIZE,
+    codec_skeleton.TAG_DEVICE,
+    codec_skeleton.TAG_PICKLE,
     "?",
 ]
 
@@ -67,31 +69,31 @@ def _node(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     pairs = st.lists(st.lists(children, min_size=1, max_size=3), max_size=4)
     names = st.sampled_from(["a", "b", "_x", "class", "def", "1a", "a b", "", "x"])
     return st.one_of(
-        st.tuples(st.sampled_from([tree.TAG_LIST, tree.TAG_TUPLE]), items).map(list),
-        st.tuples(st.sampled_from([tree.TAG_DICT, tree.TAG_ORDERED_DICT]), pairs).map(list),
+        st.tuples(st.sampled_from([codec_skeleton.TAG_LIST, codec_skeleton.TAG_TUPLE]), items).map(list),
+        st.tuples(st.sampled_from([codec_skeleton.TAG_DICT, codec_skeleton.TAG_ORDERED_DICT]), pairs).map(list),
         st.tuples(
-            st.just(tree.TAG_NAMEDTUPLE),
+            st.just(codec_skeleton.TAG_NAMEDTUPLE),
             st.sampled_from(["collections", "torch", "os", "no.such.module", ""]),
             st.sampled_from(["Point", "def", "_private", "A.B", "x y", "OrderedDict"]),
             st.lists(names, max_size=3),
             items,
         ).map(list),
-        st.tuples(st.just(tree.TAG_TENSOR), st.integers(-2, 5) | SCALARS).map(list),
-        st.tuples(st.just(tree.TAG_DTENSOR), st.integers(-1, 5), MSGPACK_VALUES, SCALARS).map(list),
+        st.tuples(st.just(codec_skeleton.TAG_TENSOR), st.integers(-2, 5) | SCALARS).map(list),
+        st.tuples(st.just(codec_skeleton.TAG_DTENSOR), st.integers(-1, 5), MSGPACK_VALUES, SCALARS).map(list),
         st.tuples(
-            st.just(tree.TAG_BIGINT),
+            st.just(codec_skeleton.TAG_BIGINT),
             st.text(alphabet="0123456789-+_ x", max_size=20) | st.integers(4000, 6000).map(lambda n: "7" * n) | SCALARS,
         ).map(list),
         st.tuples(
-            st.just(tree.TAG_DTYPE),
-            st.sampled_from([*tree.DTYPES, "qint8", "float"]) | MSGPACK_VALUES,
+            st.just(codec_skeleton.TAG_DTYPE),
+            st.sampled_from([*dtypes.DTYPES, "qint8", "float"]) | MSGPACK_VALUES,
         ).map(list),
-        st.tuples(st.just(tree.TAG_SIZE), MSGPACK_VALUES).map(list),
+        st.tuples(st.just(codec_skeleton.TAG_SIZE), MSGPACK_VALUES).map(list),
         st.tuples(
-            st.just(tree.TAG_DEVICE),
+            st.just(codec_skeleton.TAG_DEVICE),
             st.sampled_from(["cpu", "cuda:1", "meta", "cuda:99999999999999999999", "x:y", "\x00"]) | SCALARS,
         ).map(list),
-        st.tuples(st.just(tree.TAG_PICKLE), SCALARS).map(list),
+        st.tuples(st.just(codec_skeleton.TAG_PICKLE), SCALARS).map(list),
         # Any tag with any arguments: wrong arity, wrong types.
         st.lists(st.sampled_from(TAGS) | SCALARS, min_size=1, max_size=1).flatmap(
             lambda head: st.lists(children, max_size=4).map(lambda rest: head + rest)
@@ -196,7 +198,7 @@ def _tensor_entries() -> st.SearchStrategy[Any]:
     ints = st.integers(-2, 40) | st.sampled_from([2**31, 2**40, 2**62, 2**62 + 1, 2**63 - 1])
     entry = st.tuples(
         st.integers(-1, 3) | SCALARS,
-        st.sampled_from([*tree.DTYPES, "qint8", "nope"]) | SCALARS,
+        st.sampled_from([*dtypes.DTYPES, "qint8", "nope"]) | SCALARS,
         st.lists(ints, max_size=4) | SCALARS,
         st.lists(ints, max_size=4) | SCALARS,
         ints | SCALARS,
@@ -210,7 +212,7 @@ def _tensor_entries() -> st.SearchStrategy[Any]:
 @given(_tensor_entries(), st.lists(st.integers(0, 4096), min_size=1, max_size=4))
 def test_decode_tensor_table_yields_buildable_views(entries: Any, storages: list[int]) -> None:
     try:
-        specs = tree.decode_tensor_table(entries, storages)
+        specs = tensors.decode_tensor_table(entries, storages)
     except ProtocolError:
         return
     backing = [torch.empty(n, dtype=torch.uint8) for n in storages]
@@ -231,27 +233,27 @@ def test_decode_tensor_table_yields_buildable_views(entries: Any, storages: list
 @given(SKELETONS, st.integers(0, 4), st.booleans())
 def test_index_skeleton_accepts_only_buildable_trees(skeleton: Any, n_tensors: int, allow_pickle: bool) -> None:
     try:
-        paths = tree.index_skeleton(skeleton, n_tensors, allow_pickle)
+        paths = codec_skeleton.index_skeleton(skeleton, n_tensors, allow_pickle)
     except ProtocolError:
         return
     assert sorted(paths) == list(range(n_tensors))
     if allow_pickle and _has_pickle(skeleton):
         return  # unpickling arbitrary bytes is what allow_pickle=True opts into
-    tree.build_tree(skeleton, _stub_leaf, _stub_dtensor)
+    codec_skeleton.build_tree(skeleton, _stub_leaf, _stub_dtensor)
 
 
 def _has_pickle(node: Any) -> bool:
     if isinstance(node, list):
-        return (bool(node) and node[0] == tree.TAG_PICKLE) or any(_has_pickle(n) for n in node)
+        return (bool(node) and node[0] == codec_skeleton.TAG_PICKLE) or any(_has_pickle(n) for n in node)
     return False
 
 
 @PROPERTY
 @given(SKELETONS)
 def test_pickle_nodes_are_refused_without_opt_in(skeleton: Any) -> None:
-    wrapped = [tree.TAG_LIST, [skeleton, [tree.TAG_PICKLE, b"cos\nsystem\n(S'true'\ntR."]]]
+    wrapped = [codec_skeleton.TAG_LIST, [skeleton, [codec_skeleton.TAG_PICKLE, b"cos\nsystem\n(S'true'\ntR."]]]
     try:
-        tree.index_skeleton(wrapped, 0, allow_pickle=False)
+        codec_skeleton.index_skeleton(wrapped, 0, allow_pickle=False)
     except ProtocolError:
         return
     raise AssertionError("a pickled leaf was accepted with allow_pickle=False")
@@ -263,41 +265,41 @@ def test_whole_header_pipeline_over_bytes(body: bytes) -> None:
     """The receiver's order of checks, applied to arbitrary header bytes."""
     try:
         header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
-        specs = tree.decode_tensor_table(header.tensors, header.storages)
-        tree.index_skeleton(header.skeleton, len(specs), allow_pickle=False)
+        specs = tensors.decode_tensor_table(header.tensors, header.storages)
+        codec_skeleton.index_skeleton(header.skeleton, len(specs), allow_pickle=False)
     except ProtocolError:
         return
-    tree.build_tree(header.skeleton, _stub_leaf, _stub_dtensor)
+    codec_skeleton.build_tree(header.skeleton, _stub_leaf, _stub_dtensor)
 
 
 def test_known_leaks_stay_fixed() -> None:
     """Inputs that once escaped as TypeError/ValueError at build time (regressions)."""
     bad_skeletons = [
-        [tree.TAG_DTYPE, [1]],  # unhashable lookup in DTYPES
-        [tree.TAG_DICT, [[[tree.TAG_LIST, []], 1]]],  # list as a dict key
-        [tree.TAG_BIGINT, "1" * 5000],  # beyond int()'s digit limit
-        [tree.TAG_NAMEDTUPLE, "m", "X", ["class"], [1]],  # keyword field
-        [tree.TAG_NAMEDTUPLE, "m", "X", ["_a"], [1]],  # underscore field
-        [tree.TAG_NAMEDTUPLE, "m", "X", ["a", "a"], [1, 2]],  # duplicate field
+        [codec_skeleton.TAG_DTYPE, [1]],  # unhashable lookup in DTYPES
+        [codec_skeleton.TAG_DICT, [[[codec_skeleton.TAG_LIST, []], 1]]],  # list as a dict key
+        [codec_skeleton.TAG_BIGINT, "1" * 5000],  # beyond int()'s digit limit
+        [codec_skeleton.TAG_NAMEDTUPLE, "m", "X", ["class"], [1]],  # keyword field
+        [codec_skeleton.TAG_NAMEDTUPLE, "m", "X", ["_a"], [1]],  # underscore field
+        [codec_skeleton.TAG_NAMEDTUPLE, "m", "X", ["a", "a"], [1, 2]],  # duplicate field
     ]
     for skeleton in bad_skeletons:
         try:
-            tree.index_skeleton(skeleton, 0, allow_pickle=False)
+            codec_skeleton.index_skeleton(skeleton, 0, allow_pickle=False)
         except ProtocolError:
             continue
         raise AssertionError(f"accepted {skeleton!r}")
     # A keyword as the class name is harmless: the stand-in is renamed.
-    record = tree.build_tree([tree.TAG_NAMEDTUPLE, "m", "def", ["a"], [1]], _stub_leaf, _stub_dtensor)
+    keyword_named = [codec_skeleton.TAG_NAMEDTUPLE, "m", "def", ["a"], [1]]
+    record = codec_skeleton.build_tree(keyword_named, _stub_leaf, _stub_dtensor)
     assert tuple(record) == (1,)
     # Tuple keys keep their value in key paths (in-place receive matches them).
-    paths = tree.index_skeleton(
-        [tree.TAG_DICT, [[[tree.TAG_TUPLE, [1, "a"]], [tree.TAG_TENSOR, 0]]]], 1, allow_pickle=False
-    )
+    tagged = [codec_skeleton.TAG_DICT, [[[codec_skeleton.TAG_TUPLE, [1, "a"]], [codec_skeleton.TAG_TENSOR, 0]]]]
+    paths = codec_skeleton.index_skeleton(tagged, 1, allow_pickle=False)
     assert paths == {0: ((1, "a"),)}
     for shape, stride in (([2**62, 2**62], [0, 0]), ([2**31, 2**31, 4], [0, 0, 0])):
         entry = [[0, "float32", shape, stride, 0, False, False]]
         try:
-            tree.decode_tensor_table(entry, [16])
+            tensors.decode_tensor_table(entry, [16])
         except ProtocolError:
             continue
         raise AssertionError(f"accepted a tensor of shape {shape}")

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from zmqtransport import ZMQTransport, buffers, tree, wire
+from zmqtransport import ZMQTransport, buffers, wire
+from zmqtransport.codec import skeleton, tensors
 from zmqtransport.device import (
     CPU,
     DeviceStaging,
@@ -95,7 +96,7 @@ def _assert_same(got: Any, want: Any) -> None:
         assert got == want
 
 
-def _expected_stream(encoded: tree.EncodedTree, plan: list[list[wire.Piece]]) -> list[bytes]:
+def _expected_stream(encoded: tensors.EncodedTree, plan: list[list[wire.Piece]]) -> list[bytes]:
     """The bytes of every data message, read straight from host memory."""
     return [
         b"".join(bytes(encoded.storages[p.storage].view(p.start, p.start + p.length)) for p in pieces)
@@ -104,7 +105,7 @@ def _expected_stream(encoded: tree.EncodedTree, plan: list[list[wire.Piece]]) ->
 
 
 def _plan_for(state: Any, staging: DeviceStaging) -> tuple[SendPlan, list[bytes]]:
-    encoded = tree.encode_tree(state)
+    encoded = skeleton.encode_tree(state)
     plan = wire.plan_chunks([ref.nbytes for ref in encoded.storages], CHUNK, PACK_BELOW)
     send_plan = prepare_send(encoded, plan, staging)
     assert send_plan is not None
@@ -345,7 +346,7 @@ def test_send_stager_retain_and_synchronize_leave_no_copy_pending() -> None:
 
 
 def test_prepare_send_is_none_for_host_memory_by_default() -> None:
-    encoded = tree.encode_tree(_sample_state())
+    encoded = skeleton.encode_tree(_sample_state())
     plan = wire.plan_chunks([ref.nbytes for ref in encoded.storages], CHUNK, PACK_BELOW)
     assert prepare_send(encoded, plan, DeviceStaging()) is None
 
@@ -354,7 +355,7 @@ def test_mixed_packed_message_copies_host_pieces_directly() -> None:
     """A packed message with a staged and an unstaged storage (CUDA beside CPU, on CPU)."""
     fake = FakeDevice()
     staging = fake.staging(slots=2, depth=1)
-    encoded = tree.encode_tree({"a": torch.arange(10.0), "b": torch.arange(20.0)})
+    encoded = skeleton.encode_tree({"a": torch.arange(10.0), "b": torch.arange(20.0)})
     plan = wire.plan_chunks([ref.nbytes for ref in encoded.storages], CHUNK, PACK_BELOW)
     send_plan = prepare_send(encoded, plan, staging)
     assert send_plan is not None and len(plan) == 1
@@ -451,7 +452,7 @@ def test_storage_and_tensor_bytes_are_views() -> None:
 
 
 def test_device_storage_refs_have_no_host_view() -> None:
-    ref = tree.StorageRef(0, 16, None, torch.device("cuda", 0))
+    ref = tensors.StorageRef(0, 16, None, torch.device("cuda", 0))
     with pytest.raises(RuntimeError, match="no host view"):
         ref.view()
 

@@ -24,8 +24,10 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zmqtransport import ProtocolError, ZMQTransport, tree
-from zmqtransport import dtensor_codec as codec
+from zmqtransport import ProtocolError, ZMQTransport
+from zmqtransport.codec import dtensor as codec
+from zmqtransport.codec import dtypes
+from zmqtransport.codec import skeleton as codec_skeleton
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
@@ -272,9 +274,9 @@ def test_transport_roundtrip(pg: None, transports: Callable[..., ZMQTransport[An
 
 def test_dtensor_header_has_no_pickle(pg: None) -> None:
     """A DTensor leaf is a "D" node with a plain spec; nothing is pickled."""
-    encoded = tree.encode_tree({"w": real_dtensor((1,), ("dp",), [Shard(0)], False)})
+    encoded = codec_skeleton.encode_tree({"w": real_dtensor((1,), ("dp",), [Shard(0)], False)})
     assert not encoded.has_pickle
-    assert encoded.skeleton[1][0][1][0] == tree.TAG_DTENSOR
+    assert encoded.skeleton[1][0][1][0] == codec_skeleton.TAG_DTENSOR
 
 
 def test_transport_in_place(pg: None, transports: Callable[..., ZMQTransport[Any]]) -> None:
@@ -434,7 +436,7 @@ def test_validation_imports_nothing() -> None:
     script = f"""
 import sys
 from zmqtransport import ProtocolError
-from zmqtransport.dtensor_codec import validate_spec
+from zmqtransport.codec.dtensor import validate_spec
 spec = {SLICED_OBJ!r}
 validate_spec(spec, ("w",))
 spec["placements"] = [["torch.distributed.tensor", 0]]
@@ -456,9 +458,9 @@ raise SystemExit(f"imported {{loaded}}" if loaded else 0)
 def test_index_skeleton_refuses_bad_dtensor_node() -> None:
     obj = valid_obj()
     obj["placements"] = [["magic"]]
-    skeleton = [tree.TAG_DICT, [["w", [tree.TAG_DTENSOR, 0, obj, False]]]]
+    skeleton = [codec_skeleton.TAG_DICT, [["w", [codec_skeleton.TAG_DTENSOR, 0, obj, False]]]]
     with pytest.raises(ProtocolError, match="placement"):
-        tree.index_skeleton(skeleton, 1, allow_pickle=False)
+        codec_skeleton.index_skeleton(skeleton, 1, allow_pickle=False)
 
 
 def test_make_dtensor_refuses_what_torch_refuses(pg: None) -> None:
@@ -517,7 +519,7 @@ def test_validate_never_leaks_other_errors(path: tuple[Any, ...], value: Any) ->
     except ProtocolError:
         return
     # Accepted: then the rebuild must succeed or refuse cleanly, never crash otherwise.
-    local = torch.zeros(2, 3, dtype=tree.DTYPES[obj["meta"]["dtype"]])
+    local = torch.zeros(2, 3, dtype=dtypes.DTYPES[obj["meta"]["dtype"]])
     with contextlib.suppress(ProtocolError):
         codec.make_dtensor(local, obj, False)
 
@@ -532,7 +534,7 @@ def test_encode_refuses_unfaithful(pg: None) -> None:
         codec.encode_spec(masked._spec, PATH)
     # Through the tree encoder too: the key path names the leaf.
     with pytest.raises(TypeError, match=r"state\['emb'\]"):
-        tree.encode_tree({"emb": masked})
+        codec_skeleton.encode_tree({"emb": masked})
 
     no_meta = copy.copy(real_dtensor((1,), None, [Replicate()], False)._spec)
     no_meta.tensor_meta = None

@@ -30,9 +30,10 @@ import pytest
 import torch
 import zmq
 
-from zmqtransport import BindError, ZMQTransport, buffers, device, receiver, security, sender, sockets
+from zmqtransport import BindError, ZMQTransport, buffers, device, fetch, security, sockets
 from zmqtransport import transport as transport_module
 from zmqtransport.net import ADVERTISE_ENV, PeerAddress
+from zmqtransport.serve import Server
 from zmqtransport.serve import server as serve_server
 
 pytestmark = pytest.mark.timeout(120)  # a backstop: each wait below is bounded on its own
@@ -211,7 +212,7 @@ def test_server_closes_its_socket_when_configuring_it_fails() -> None:
     def refuse(sock: zmq.Socket[Any]) -> None:
         raise ValueError("bad key")
 
-    expect_error(lambda: sender.Server(context, LOOPBACK, 0, 1.0, configure=refuse), ValueError)
+    expect_error(lambda: Server(context, LOOPBACK, 0, 1.0, configure=refuse), ValueError)
     assert sockets.terminate(context, HANG_S), "the ROUTER was left open"
 
 
@@ -225,14 +226,14 @@ def test_server_releases_socket_and_pipe_when_its_thread_cannot_start(monkeypatc
 
     monkeypatch.setattr(serve_server.threading, "Thread", Unstartable)  # where the serving thread starts
     context = new_context()
-    expect_error(lambda: sender.Server(context, LOOPBACK, 0, 1.0), RuntimeError)
+    expect_error(lambda: Server(context, LOOPBACK, 0, 1.0), RuntimeError)
     assert sockets.terminate(context, HANG_S), "the ROUTER was left open"
 
 
 @pytest.mark.usefixtures("nothing_left")
 def test_server_bind_failure_closes_everything(busy_port: int) -> None:
     context = new_context()
-    expect_error(lambda: sender.Server(context, LOOPBACK, busy_port, 1.0), BindError)
+    expect_error(lambda: Server(context, LOOPBACK, busy_port, 1.0), BindError)
     assert sockets.terminate(context, HANG_S), "the ROUTER was left open"
 
 
@@ -243,10 +244,10 @@ def test_fetch_closes_its_socket_when_configuring_it_fails() -> None:
     def refuse(sock: zmq.Socket[Any]) -> None:
         raise ValueError("CURVE is not available in this libzmq")
 
-    options = receiver.FetchOptions(configure=refuse)
+    options = fetch.FetchOptions()
     address = PeerAddress(LOOPBACK, 9)  # never contacted: the set-up fails first
-    expect_error(lambda: receiver.fetch(context, address, 0, 1, 1.0, options), ValueError)
-    expect_error(lambda: receiver.fetch_header(context, address, 1, 1.0, options), ValueError)
+    expect_error(lambda: fetch.fetch(context, address, 0, 1, 1.0, options, refuse), ValueError)
+    expect_error(lambda: fetch.fetch_header(context, address, 1, 1.0, options, refuse), ValueError)
     assert sockets.terminate(context, HANG_S), "the DEALER was left open"
 
 
@@ -366,7 +367,7 @@ def test_prefaulter_stops_started_workers_when_another_cannot_start(monkeypatch:
     monkeypatch.setattr(buffers.threading, "Thread", SecondFails)
     # Fake addresses: the patched madvise never touches them.
     regions = [(0, 1 << 30, 64 * buffers.PREFAULT_PIECE)]
-    expect_error(lambda: buffers.Prefaulter(regions, threads=2), RuntimeError)
+    expect_error(lambda: buffers.Prefaulter(regions, threads=2, plan=buffers.PrefaultPlan()), RuntimeError)
     assert started and not started[0].is_alive(), "a prefault worker outlived the failed construction"
 
 

@@ -65,11 +65,30 @@ def test_plan_shapes_every_nic_in_both_directions() -> None:
 
 
 @pytest.mark.system
+def test_plan_gives_each_host_its_own_rate() -> None:
+    plan = build_plan(["a0", "a1"], "sw", nics=1, shaping=[Shaping(400.0), Shaping(100.0)])
+
+    def rates(key: str) -> list[tuple[str, str]]:
+        return [(line[3], line[line.index("rate") + 1]) for line in plan[key]]
+
+    # Host 1 is slower both ways: on its own NIC (upload) and on its switch port (download).
+    assert rates("tc:a0") == [("eth0", "400000kbit")]
+    assert rates("tc:a1") == [("eth0", "100000kbit")]
+    assert rates("tc:sw") == [("h0n0", "400000kbit"), ("h1n0", "100000kbit")]
+    with pytest.raises(ValueError, match="2 shapings for 3 hosts"):
+        build_plan(["a0", "a1", "a2"], "sw", nics=1, shaping=[Shaping(1.0), Shaping(2.0)])
+
+
+@pytest.mark.system
 def test_bad_shape_is_refused() -> None:
     with pytest.raises(ValueError, match=r"1\.\.250 hosts"):
         Lab(hosts=0)
     with pytest.raises(ValueError, match="positive rate"):
         Lab(hosts=2, rate_mbit=0)
+    with pytest.raises(ValueError, match="positive rate"):
+        Lab(hosts=2, host_rates={1: 0.0})
+    with pytest.raises(ValueError, match=r"outside 0\.\.1"):
+        Lab(hosts=2, host_rates={2: 100.0})
 
 
 @pytest.mark.system
@@ -90,6 +109,22 @@ def test_rate_limited_tcp_transfer_and_counters() -> None:
     for counted in (sent, received):
         assert nbytes <= counted <= nbytes * 1.06 + (64 << 10)
     assert lab.namespace(0) not in _namespaces()
+
+
+@pytest.mark.system
+@needs_lab
+def test_a_host_rate_limits_that_host_both_ways() -> None:
+    nbytes = 2 << 20
+    with Lab(hosts=3, nics=1, rate_mbit=400.0, host_rates={2: 25.0}) as lab:
+        slow_bytes_per_s = lab.host_rate_mbit(2) * 1e6 / 8
+        floor_s = (nbytes - lab.shaping.burst_bytes) / slow_bytes_per_s
+        into_slow = tcp_transfer(lab, source=0, sink=2, nbytes=nbytes, timeout=30.0)
+        out_of_slow = tcp_transfer(lab, source=2, sink=1, nbytes=nbytes, timeout=30.0)
+        between_fast = tcp_transfer(lab, source=0, sink=1, nbytes=nbytes, timeout=30.0)
+    assert into_slow.received == out_of_slow.received == between_fast.received == nbytes
+    assert into_slow.seconds >= floor_s and out_of_slow.seconds >= floor_s
+    # The other hosts keep their own rate: 16x faster, well under the slow host's floor.
+    assert between_fast.seconds < floor_s / 2
 
 
 @pytest.mark.system

@@ -12,16 +12,19 @@ import pytest
 import torch
 import zmq
 
-from zmqtransport import ProtocolError, buffers, landing, tree, wire
-from zmqtransport.landed import land, recv_exact
-from zmqtransport.landing import Fresh, FreshBounced, InArena, InPlace, InPlaceBounced, LandingOptions
+from zmqtransport import ProtocolError, buffers, wire
+from zmqtransport.codec import skeleton
+from zmqtransport.fetch import landing
+from zmqtransport.fetch.landed import land
+from zmqtransport.fetch.landing import Fresh, FreshBounced, InArena, InPlace, InPlaceBounced, LandingOptions
+from zmqtransport.fetch.replies import recv_exact
 
 MIB = 1024 * 1024
 PACK_BELOW = 64 * 1024
 
 
 def parsed_for(state: Any, pack_below: int = PACK_BELOW) -> landing.ParsedHeader:
-    encoded = tree.encode_tree(state)
+    encoded = skeleton.encode_tree(state)
     header = wire.Header(
         step=1,
         skeleton=encoded.skeleton,
@@ -47,17 +50,25 @@ def plan(state: Any, targets: Any = None, **options: Any) -> tuple[landing.Parse
 
 
 def test_fresh_receive_allocates_each_storage_as_its_tensor() -> None:
-    state = {"big": torch.ones(2 * MIB, dtype=torch.float32), "small": torch.ones(3, 5, dtype=torch.int64)}
+    state = {
+        "big": torch.ones(2 * MIB, dtype=torch.float32),
+        "mid": torch.ones(768, 768, dtype=torch.float32),  # 2.25 MiB: less than a prefault piece
+        "small": torch.ones(3, 5, dtype=torch.int64),
+    }
     parsed, result = plan(state)
-    big, small = storage_at(parsed, "big"), storage_at(parsed, "small")
-    assert isinstance(result.placements[big], Fresh) and isinstance(result.placements[small], Fresh)
+    big, mid, small = (storage_at(parsed, name) for name in ("big", "mid", "small"))
+    assert all(isinstance(result.placements[s], Fresh) for s in (big, mid, small))
     assert result.placements[small].exact is not None and result.placements[small].exact.shape == (3, 5)
     assert result.placements[big].exact is not None and not result.placements[big].huge_pages
     assert result.arena is None and result.target_leaves == {}
-    assert result.fresh_bytes == 8 * MIB + 15 * 8
-    # Only storages of at least one prefault piece are faulted in ahead.
-    offset_of_big = sum(parsed.header.storages[:big])
-    assert result.prefault == [landing.PrefaultRegion(offset_of_big, big, 8 * MIB)]
+    assert result.fresh_bytes == 8 * MIB + 768 * 768 * 4 + 15 * 8
+    # Every fresh storage of at least PREFAULT_MIN_REGION is faulted in ahead,
+    # also those smaller than a piece (a mixed-size state has many).
+    offsets = {s: sum(parsed.header.storages[:s]) for s in (big, mid)}
+    assert result.prefault == sorted(
+        [landing.PrefaultRegion(offsets[big], big, 8 * MIB), landing.PrefaultRegion(offsets[mid], mid, 768 * 768 * 4)],
+        key=lambda region: region.stream_offset,
+    )
 
 
 def test_matching_targets_land_in_place_and_mismatches_fresh() -> None:
@@ -110,12 +121,15 @@ def test_many_small_storages_share_an_arena_in_stream_order() -> None:
     t3 = result.placements[storage_at(parsed, "t3")]
     assert isinstance(t3, InArena) and t3.exact is not None and t3.exact.shape == (6,)
     assert isinstance(result.placements[storage_at(parsed, "big")], Fresh)
-    # The whole arena is one prefault region, starting where its first storage arrives.
+    # The whole arena is one prefault region, starting where its first storage
+    # arrives; "big" (256 KiB) is one of its own, after it in the stream.
     first = result.arena.storages[0]
     arena_region = landing.PrefaultRegion(
         sum(parsed.header.storages[:first]), first, buffers.arena_size(result.arena.sizes), arena=True
     )
-    assert result.prefault == [arena_region]
+    big = storage_at(parsed, "big")
+    big_region = landing.PrefaultRegion(sum(parsed.header.storages[:big]), big, PACK_BELOW * 4)
+    assert result.prefault == [arena_region, big_region]
 
 
 def test_few_small_storages_need_no_arena() -> None:

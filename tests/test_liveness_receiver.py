@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from zmqtransport import ConnectionLostError, StalledError, ZMQTransport
-from zmqtransport.liveness import RECONNECT_GRACE, ConnectionState
+from zmqtransport.fetch.liveness import RECONNECT_GRACE, ConnectionState
 
 LOOPBACK = "127.0.0.1"
 TIMEOUT = timedelta(seconds=60)

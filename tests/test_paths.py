@@ -22,8 +22,9 @@ import pytest
 import torch
 import zmq
 
-from zmqtransport import BindError, ZMQTransport, paths, sockets
+from zmqtransport import BindError, ZMQTransport, sockets
 from zmqtransport import lab as lab_module
+from zmqtransport.fetch import racing
 from zmqtransport.net import ADVERTISE_ENV, Path, PeerAddress, advertised_paths, parse_metadata, split_hosts
 from zmqtransport.serve.router import Router
 
@@ -255,7 +256,7 @@ H, R, D = zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_DI
 
 
 def test_choice_prefers_the_first_path_that_connects_within_the_bound() -> None:
-    choice = paths.PathChoice(2, bound=1.0)
+    choice = racing.PathChoice(2, bound=1.0)
     choice.on_event(1, H, now=0.0)
     assert choice.choice(0.5) is None  # path 0 may still come
     choice.on_event(0, H, now=0.6)
@@ -263,7 +264,7 @@ def test_choice_prefers_the_first_path_that_connects_within_the_bound() -> None:
 
 
 def test_choice_skips_a_silent_path_after_the_bound() -> None:
-    choice = paths.PathChoice(3, bound=1.0)
+    choice = racing.PathChoice(3, bound=1.0)
     choice.on_event(2, H, now=0.2)
     assert choice.wake_at() == 1.2
     assert choice.choice(1.19) is None
@@ -271,14 +272,14 @@ def test_choice_skips_a_silent_path_after_the_bound() -> None:
 
 
 def test_choice_skips_a_refused_path_at_once_when_the_source_was_listening() -> None:
-    choice = paths.PathChoice(2, bound=1.0)
+    choice = racing.PathChoice(2, bound=1.0)
     choice.on_event(0, R, now=0.01)
     choice.on_event(1, H, now=0.02)  # path 1 was never refused: the source listened all along
     assert choice.choice(0.02) == 1
 
 
 def test_choice_retries_a_path_refused_before_a_late_source_listened() -> None:
-    choice = paths.PathChoice(2, bound=1.0)
+    choice = racing.PathChoice(2, bound=1.0)
     choice.on_event(0, R, now=0.1)
     choice.on_event(1, R, now=0.1)
     choice.on_event(1, H, now=2.0)  # the source came up after both were refused
@@ -288,7 +289,7 @@ def test_choice_retries_a_path_refused_before_a_late_source_listened() -> None:
 
 
 def test_choice_waits_while_nothing_connects_and_describes_the_paths() -> None:
-    choice = paths.PathChoice(2, bound=1.0)
+    choice = racing.PathChoice(2, bound=1.0)
     choice.on_event(0, R, now=0.1)
     choice.on_event(1, H, now=0.2)
     choice.on_event(1, D, now=0.3)
@@ -325,21 +326,21 @@ def test_a_silent_first_path_costs_at_most_the_connect_bound(
     make_transport: Callable[..., ZMQTransport[Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A path whose connection attempts never fail nor succeed (a dropped link) is given up after the bound."""
-    real_choice = paths.PathChoice
+    real_choice = racing.PathChoice
 
     class DeafToPathZero(real_choice):  # type: ignore[misc, valid-type]
         def on_event(self, index: int, event: int, now: float) -> None:
             if index != 0:  # path 0 answers nothing, as a link that drops every packet
                 super().on_event(index, event, now)
 
-    monkeypatch.setattr(paths, "PathChoice", DeafToPathZero)
+    monkeypatch.setattr(racing, "PathChoice", DeafToPathZero)
     source = make_transport(bind_host=LOOPBACK, advertise_host=f"{REFUSING},{LOOPBACK}")
     sink = make_transport(bind_host=LOOPBACK)
     sent = state()
     source.send_checkpoint([1], 3, sent, TIMEOUT)
     got, seconds = fetch_timed(sink, source.metadata())
     assert_same(got, sent)
-    assert paths.CONNECT_BOUND <= seconds < TIMEOUT.total_seconds() / 4
+    assert racing.CONNECT_BOUND <= seconds < TIMEOUT.total_seconds() / 4
 
 
 def test_the_preferred_path_is_used_when_every_path_connects(make_transport: Callable[..., ZMQTransport[Any]]) -> None:

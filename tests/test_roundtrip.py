@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zmqtransport import ZMQTransport
-from zmqtransport.tree import DTYPES
+from zmqtransport.codec.dtypes import DTYPES
 
 from .conftest import TIMEOUT, assert_same, bytes_of
 
@@ -138,8 +138,8 @@ def test_pickle_needs_both_sides(make_transport: Any) -> None:
     assert got["set"] == {1, 2, 3}
     # A receiver that did not opt in refuses pickled nodes even if the sender
     # ignores its flag: the skeleton check runs on the receiving side too.
-    from zmqtransport import tree
+    from zmqtransport.codec import skeleton
 
-    encoded = tree.encode_tree({"x": {1}}, allow_pickle=True)
+    encoded = skeleton.encode_tree({"x": {1}}, allow_pickle=True)
     with pytest.raises(ProtocolError, match="allow_pickle=False"):
-        tree.index_skeleton(encoded.skeleton, 0, allow_pickle=False)
+        skeleton.index_skeleton(encoded.skeleton, 0, allow_pickle=False)

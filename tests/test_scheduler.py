@@ -633,7 +633,7 @@ def test_span_fields_round_trip_and_plain_fetch_is_unchanged() -> None:
 
 
 def relayed(messages: int = 6, token: bytes = b"T" * 16, stage: int = 99) -> Any:
-    from zmqtransport.serve.relays import Relayed
+    from zmqtransport.relayed import Relayed
 
     plan = [[wire.Piece(0, i, 1)] for i in range(messages)]
     return Relayed(STEP, stage, token, plan, views=[memoryview(bytearray(range(messages)))])
@@ -644,21 +644,25 @@ def test_relay_chain_sends_each_newcomer_to_the_newest_member(net: Net) -> None:
     net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
     net.execute(net.scheduler.stage(staged(), net.now))
     orders = []
+    # Each offers to relay at its own address, and verifies what relays send (it offers an algorithm).
+    hosts = {b"a": "10.0.0.1", b"b": "10.0.0.2", b"c": "10.0.0.3", b"d": "10.0.0.4", b"e": "10.0.0.5"}
+
+    def offer(peer: bytes, xfer: int = 1) -> list[Action]:
+        request = fetch(xfer=xfer, relay=f"tcp://{hosts[peer]}:1", verify=("sha256",))
+        return net.scheduler.on_request(peer, request, hosts[peer], net.now)
+
     for peer in (b"a", b"b", b"c"):
-        actions = net.scheduler.on_request(peer, fetch(relay=f"tcp://{peer.decode()}:1"), "addr", net.now)
-        header = actions[0]
+        header = offer(peer)[0]
         assert isinstance(header, SendHeader)
         orders.append(header.relay)
         # The first fetches from the source; the others get the header alone and a relay.
         assert header.header_only == (peer != b"a")
-    assert [o.upstream for o in orders] == [None, "tcp://a:1", "tcp://b:1"]
+    assert [o.upstream for o in orders] == [None, "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"]
     assert orders[1].upstream_token == orders[0].token and orders[2].upstream_token == orders[1].token
     net.scheduler.disconnected(b"c")  # c's receive ended: d is sent to b
-    actions = net.scheduler.on_request(b"d", fetch(xfer=5, relay="tcp://d:1"), "addr", net.now)
-    assert actions[0].relay.upstream == "tcp://b:1"
+    assert offer(b"d", xfer=5)[0].relay.upstream == "tcp://10.0.0.2:1"
     net.execute(net.scheduler.stage(staged(), net.now))  # a new staging: a new chain
-    actions = net.scheduler.on_request(b"e", fetch(xfer=6, relay="tcp://e:1"), "addr", net.now)
-    assert actions[0].relay.upstream is None
+    assert offer(b"e", xfer=6)[0].relay.upstream is None
 
 
 def test_receiver_without_relay_offer_is_served_by_the_source(net: Net) -> None:
@@ -726,7 +730,7 @@ def test_span_fetch_while_nothing_is_staged_is_refused_disallowed_at_once(net: N
 
 
 def test_relayed_payload_is_a_copy_and_none_after_stop() -> None:
-    from zmqtransport.serve.relays import RelayStopped
+    from zmqtransport.relayed import RelayStopped
 
     relay = relayed(messages=3)
     relay.landed_one(0, None)

@@ -99,10 +99,10 @@ def test_a_receiver_that_lies_about_pickle_still_cannot_unpickle(
         assert sock.poll(5000)
         frames = sock.recv_multipart()
         body = msgpack.unpackb(frames[1])
-        from zmqtransport import tree
+        from zmqtransport.codec import skeleton
 
         with pytest.raises(wire.ProtocolError, match="pickled object"):
-            tree.index_skeleton(body["skeleton"], len(body["tensors"]), allow_pickle=False)
+            skeleton.index_skeleton(body["skeleton"], len(body["tensors"]), allow_pickle=False)
     finally:
         context.destroy(linger=0)
 

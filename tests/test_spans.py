@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from zmqtransport.spans import QUIET_FIRST, QUIET_MIN, SpanBook
+from zmqtransport.fetch.spans import QUIET_FIRST, QUIET_MIN, SpanBook
 
 
 def book(messages: int = 20, streams: int = 2, span: int = 4, depth: int = 2) -> SpanBook:

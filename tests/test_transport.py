@@ -218,8 +218,8 @@ def test_one_info_line_per_transfer(make_transport: Any, caplog: pytest.LogCaptu
     with caplog.at_level(logging.INFO, logger="zmqtransport"):
         receiver.recv_checkpoint(0, sender.metadata(), 2, TIMEOUT)
         sender.disallow_checkpoint()
-    served = [r for r in caplog.records if r.name == "zmqtransport.sender" and r.levelno == logging.INFO]
-    received = [r for r in caplog.records if r.name == "zmqtransport.receiver" and r.levelno == logging.INFO]
+    served = [r for r in caplog.records if r.name == "zmqtransport.serve" and r.levelno == logging.INFO]
+    received = [r for r in caplog.records if r.name == "zmqtransport.fetch" and r.levelno == logging.INFO]
     assert len(served) == 1 and len(received) == 1
     for record in served + received:
         text = record.getMessage()

@@ -16,6 +16,4 @@ import warnings
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-    import torch
-
-__all__ = ["torch"]
+    import torch  # noqa: F401

@@ -5,6 +5,7 @@
     zmqtransport fetch METADATA --step N -o FILE    pull a live checkpoint, torch.save it
     zmqtransport serve FILE --step N                serve a saved checkpoint to peers
     zmqtransport inspect METADATA --step N          what a peer serves, without the tensors
+        [--digests [--check FILE]]                  its digests; a saved checkpoint checked against them
     zmqtransport bench [ARGS...]                    the benchmark (python -m zmqtransport.bench)
 
 Output conventions: results go to stdout (``serve`` prints only its metadata
@@ -41,9 +42,12 @@ import torch
 from . import wire
 from .codec import skeleton
 from .codec.dtypes import dtype_name
-from .codec.paths import format_path
+from .codec.keypaths import format_path
 from .codec.tensors import decode_tensor_table
+from .digests import digest_of
 from .errors import TransportError
+from .fetch import Published
+from .layout import messages_of
 from .net import parse_metadata
 from .transport import ZMQTransport
 
@@ -405,6 +409,10 @@ def describe_header(header: Any, peer: str) -> dict[str, Any]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print what the peer serves for ``--step``; no tensor data is transferred."""
+    if args.check and not args.digests:
+        raise CLIError("--check needs --digests")
+    if args.digests:
+        return _inspect_digests(args)
     timeout = _timeout(args)
     peer = parse_metadata(args.metadata).endpoint
     # allow_pickle only lets the header through when it has pickled leaves:
@@ -447,6 +455,60 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _inspect_digests(args: argparse.Namespace) -> int:
+    """Print the source's digests of ``--step`` (their root); with ``--check``, compare a saved checkpoint."""
+    timeout = _timeout(args)
+    peer = parse_metadata(args.metadata).endpoint
+    state = _load_checkpoint(Path(args.check)) if args.check else None  # a bad file fails before any request
+    transport: ZMQTransport[Any] = ZMQTransport(timeout, bind_host="127.0.0.1", advertise_host="127.0.0.1")
+    with transport:
+        published = transport.fetch_digests(args.metadata, args.step, timeout)
+    summary: dict[str, Any] = {
+        "peer": peer,
+        "step": args.step,
+        "algorithm": published.algorithm.name,
+        "data_messages": len(published.digests),
+        "root": published.root.hex(),
+    }
+    failed = False
+    if state is not None:
+        checked = _check_against(published, state)
+        summary["check"] = {"file": args.check, **checked}
+        failed = bool(checked["different"] or checked["not_checkable"])
+    if args.json:
+        summary["digests"] = [digest.hex() for digest in published.digests] if args.tensors else None
+        print(json.dumps(summary, indent=2))
+        return EXIT_FAILURE if failed else EXIT_OK
+    print(f"peer            {peer}")
+    print(f"step            {args.step}")
+    print(f"digests         {len(published.digests)} data messages, {published.algorithm.name}")
+    print(f"root            {summary['root']}")
+    if state is not None:
+        check = summary["check"]
+        verdict = "identical to the source" if not failed else "DIFFERS from the source"
+        print(f"check           {args.check}: {check['same']} of {len(published.digests)} messages match: {verdict}")
+        for item in check["different"][:20]:
+            print(f"  message {item['seq']} differs: {', '.join(item['tensors'][:4]) or '-'}")
+        for item in check["not_checkable"][:20]:
+            print(f"  message {item['seq']} not checkable: {item['why']}")
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _check_against(published: Published, state: Any) -> dict[str, Any]:
+    """Each data message of ``state``, laid out by the source's header, against the source's digest."""
+    same = 0
+    different: list[dict[str, Any]] = []
+    unknown: list[dict[str, Any]] = []
+    for message in messages_of(published.header, state):
+        if message.payload is None:
+            unknown.append({"seq": message.seq, "why": message.problem})
+        elif digest_of(published.algorithm, message.payload) == published.digests[message.seq]:
+            same += 1
+        else:
+            different.append({"seq": message.seq, "tensors": message.tensors})
+    return {"same": same, "different": different, "not_checkable": unknown}
+
+
 def cmd_bench(argv: Sequence[str]) -> int:
     """Run ``zmqtransport.bench.main``, imported only now (it is large and optional)."""
     try:
@@ -486,16 +548,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="show the library's INFO log lines")
     parser.add_argument("--debug", action="store_true", help=f"show tracebacks (also: {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_fetch(commands)
+    _add_serve(commands)
+    _add_inspect(commands)
+    commands.add_parser(
+        "bench",
+        help="benchmark ZMQTransport (arguments go to python -m zmqtransport.bench; try: bench --help)",
+        add_help=False,
+    )
+    return parser
 
-    def timeout_option(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument(
-            "--timeout",
-            type=float,
-            default=DEFAULT_TIMEOUT_S,
-            metavar="SECONDS",
-            help=f"transport timeout (default {DEFAULT_TIMEOUT_S:g})",
-        )
 
+def _timeout_option(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"transport timeout (default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+
+def _add_fetch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fetch = commands.add_parser(
         "fetch",
         help="pull a live checkpoint from a peer and torch.save it",
@@ -522,9 +596,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between progress log lines (default 2)",
     )
-    timeout_option(fetch)
+    _timeout_option(fetch)
     fetch.set_defaults(handler=cmd_fetch)
 
+
+def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = commands.add_parser(
         "serve",
         help="serve a checkpoint file to peers until SIGINT/SIGTERM",
@@ -543,9 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--checksum", action="store_true", help="attach a CRC32 to every data frame")
     serve.add_argument("--metadata-file", metavar="PATH", help="also write the metadata string to PATH")
-    timeout_option(serve)
+    _timeout_option(serve)
     serve.set_defaults(handler=cmd_serve)
 
+
+def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inspect = commands.add_parser(
         "inspect",
         help="show what a peer serves (step, tensors, bytes, dtypes) without transferring tensors",
@@ -556,15 +634,20 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--step", type=_positive_int, required=True, help="the step to inspect")
     inspect.add_argument("--tensors", action="store_true", help="also list every tensor (key path, dtype, shape)")
     inspect.add_argument("--json", action="store_true", help="print JSON")
-    timeout_option(inspect)
-    inspect.set_defaults(handler=cmd_inspect)
-
-    commands.add_parser(
-        "bench",
-        help="benchmark ZMQTransport (arguments go to python -m zmqtransport.bench; try: bench --help)",
-        add_help=False,
+    inspect.add_argument(
+        "--digests",
+        action="store_true",
+        help="ask for the source's digest of every data message and print their root (the source hashes the state "
+        "once if it has not yet); with --json and --tensors, every digest",
     )
-    return parser
+    inspect.add_argument(
+        "--check",
+        metavar="FILE",
+        help="with --digests: compare a saved checkpoint (zmqtransport fetch -o FILE) with the source, message by "
+        "message, naming the tensors of any that differ; exit status 1 if any differs",
+    )
+    _timeout_option(inspect)
+    inspect.set_defaults(handler=cmd_inspect)
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -15,7 +15,7 @@ class TransportError(RuntimeError):
 class ProtocolError(TransportError, ValueError):
     """A message did not follow docs/protocol.md: malformed, inconsistent or oversized.
 
-    Raised by the decoders in :mod:`zmqtransport.wire` and :mod:`zmqtransport.tree`
+    Raised by the decoders in :mod:`zmqtransport.wire` and :mod:`zmqtransport.codec`
     for anything a peer sent that cannot be trusted; never leaves partial state.
 
     ``code`` is the error code a server answers such a request with

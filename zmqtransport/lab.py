@@ -1,7 +1,8 @@
 """A network lab: hosts as Linux network namespaces joined by rate-limited links.
 
 ``Lab(hosts=N, nics=K, rate_mbit=R)`` builds N "hosts", each a network
-namespace with K NICs ``eth0``..``eth{K-1}``. NIC k of every host is one end of
+namespace with K NICs ``eth0``..``eth{K-1}`` (``host_rates={h: R'}``: host h's
+NICs run at R' instead, a slower or faster port). NIC k of every host is one end of
 a veth pair whose other end is a port of bridge ``br{k}`` in a separate
 "switch" namespace, so each NIC index is one subnet, ``10.77.{k}.0/24``, and
 host h has address ``10.77.{k}.{h+1}`` on it. Every NIC is rate-limited in both
@@ -38,8 +39,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -112,8 +113,17 @@ def address_of(host: int, nic: int) -> str:
     return f"{SUBNET_PREFIX}.{nic}.{host + 1}"
 
 
-def build_plan(namespaces: Sequence[str], switch: str, nics: int, shaping: Shaping) -> dict[str, list[list[str]]]:
-    """Batches of ``ip`` and ``tc`` lines per namespace that build the lab (pure)."""
+def build_plan(
+    namespaces: Sequence[str], switch: str, nics: int, shaping: Shaping | Sequence[Shaping]
+) -> dict[str, list[list[str]]]:
+    """Batches of ``ip`` and ``tc`` lines per namespace that build the lab (pure).
+
+    ``shaping``: one for every host, or one per host (a host's NICs share it,
+    in both directions: a slower NIC is slower both ways).
+    """
+    per_host = [shaping] * len(namespaces) if isinstance(shaping, Shaping) else list(shaping)
+    if len(per_host) != len(namespaces):
+        raise ValueError(f"{len(per_host)} shapings for {len(namespaces)} hosts")
     ip_switch = [f"link add br{k} type bridge".split() for k in range(nics)]
     ip_switch += [f"link set br{k} up".split() for k in range(nics)]
     tc_switch: list[list[str]] = []
@@ -121,14 +131,15 @@ def build_plan(namespaces: Sequence[str], switch: str, nics: int, shaping: Shapi
     for host, namespace in enumerate(namespaces):
         ip_host = [["link", "set", "lo", "up"]]
         tc_host: list[list[str]] = []
+        tbf = per_host[host].tc_args().split()
         for nic in range(nics):
             port, nic_name = switch_port(host, nic), host_interface(nic)
             ip_switch.append(["link", "add", port, "type", "veth", "peer", "name", nic_name, "netns", namespace])
             ip_switch.append(["link", "set", port, "master", f"br{nic}", "up"])
             ip_host.append(["addr", "add", f"{address_of(host, nic)}/24", "dev", nic_name])
             ip_host.append(["link", "set", nic_name, "up"])
-            tc_host.append(["qdisc", "add", "dev", nic_name, "root", *shaping.tc_args().split()])
-            tc_switch.append(["qdisc", "add", "dev", port, "root", *shaping.tc_args().split()])
+            tc_host.append(["qdisc", "add", "dev", nic_name, "root", *tbf])
+            tc_switch.append(["qdisc", "add", "dev", port, "root", *tbf])
         plan[f"ip:{namespace}"] = ip_host
         plan[f"tc:{namespace}"] = tc_host
     # The switch side first: the veth pairs must exist before the hosts configure them.
@@ -240,9 +251,14 @@ class Lab:
         *,
         burst_bytes: int | None = None,
         limit_bytes: int | None = None,
+        host_rates: Mapping[int, float] | None = None,
     ) -> None:
-        if hosts < 1 or nics < 1 or nics > 250 or hosts > 250 or rate_mbit <= 0:
+        """``host_rates``: hosts whose NICs run at another rate than ``rate_mbit`` (Mbit/s, both directions)."""
+        rates = dict(host_rates or {})
+        if hosts < 1 or nics < 1 or nics > 250 or hosts > 250 or rate_mbit <= 0 or min(rates.values(), default=1) <= 0:
             raise ValueError("a lab needs 1..250 hosts, 1..250 NICs and a positive rate")
+        if not all(0 <= host < hosts for host in rates):
+            raise ValueError(f"host_rates names hosts outside 0..{hosts - 1}: {sorted(rates)}")
         self.hosts = hosts
         self.nics = nics
         self.rate_mbit = rate_mbit
@@ -252,6 +268,7 @@ class Lab:
             burst_bytes if burst_bytes is not None else defaults.burst_bytes,
             limit_bytes if limit_bytes is not None else defaults.limit_bytes,
         )
+        self.host_rates = rates
         self.prefix = f"{NAME_ROOT}{os.getpid()}x{next(_COUNTER)}"
         self.switch = f"{self.prefix}sw"
         self._owner_pid = os.getpid()
@@ -275,7 +292,17 @@ class Lab:
 
     @property
     def link_bytes_per_s(self) -> float:
+        """The default rate of one NIC in one direction, bytes per second."""
         return self.rate_mbit * 1e6 / 8
+
+    def host_rate_mbit(self, host: int) -> float:
+        """The rate of each of ``host``'s NICs, Mbit/s per direction."""
+        self._check(host, 0)
+        return self.host_rates.get(host, self.rate_mbit)
+
+    def host_shaping(self, host: int) -> Shaping:
+        rate = self.host_rate_mbit(host)
+        return self.shaping if rate == self.rate_mbit else replace(self.shaping, rate_mbit=rate)
 
     # -- lifecycle
     def __enter__(self) -> Lab:
@@ -301,7 +328,8 @@ class Lab:
         for name in [self.switch, *namespaces]:
             _run(["ip", "netns", "add", name])
             self._created.append(name)
-        for key, lines in build_plan(namespaces, self.switch, self.nics, self.shaping).items():
+        shapings = [self.host_shaping(host) for host in range(self.hosts)]
+        for key, lines in build_plan(namespaces, self.switch, self.nics, shapings).items():
             tool, namespace = key.split(":", 1)
             if lines:
                 _run([tool, "-n", namespace, "-batch", "-"], stdin="".join(" ".join(line) + "\n" for line in lines))

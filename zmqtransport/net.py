@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl, quote_plus
 ADVERTISE_ENV = "ZMQTRANSPORT_ADVERTISE_HOST"
 PATHS_KEY = "paths"  # the metadata parameter listing the paths after the first
 # Characters left readable in the paths parameter; a curve key stays fully
-# quoted, exactly as before (its z85 alphabet holds '+', '&' and '=').
+# quoted, as receivers without paths support parse it (its z85 alphabet holds '+', '&' and '=').
 _PATHS_SAFE = ":,[]"
 WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "")  # noqa: S104 - recognising a wildcard, not binding one
 _SIOCGIFADDR = 0x8915
@@ -72,7 +72,7 @@ class PeerAddress:
             params[PATHS_KEY] = ",".join(path.hostport for path in self.more_paths)
         if not params:
             return self.endpoint
-        # As urlencode(sorted(...)) did before paths existed, but with the paths readable.
+        # The urlencode(sorted(...)) form that every receiver parses, with the paths readable.
         query = "&".join(
             f"{quote_plus(key)}={quote_plus(value, safe=_PATHS_SAFE if key == PATHS_KEY else '')}"
             for key, value in sorted(params.items())

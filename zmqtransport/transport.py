@@ -1,4 +1,4 @@
-"""ZMQTransport: the CheckpointTransport facade over the sender and the receiver.
+"""ZMQTransport: the CheckpointTransport facade over the sending side (serve/) and the receiving side (fetch/).
 
 Threading contract:
 
@@ -6,8 +6,8 @@ Threading contract:
   alone uses it (:mod:`zmqtransport.serve`);
 * ``send_checkpoint`` and ``disallow_checkpoint`` may be called from any
   thread; they hand work to the serving thread and never touch its socket;
-* ``recv_checkpoint`` runs in the calling thread with a DEALER socket of its
-  own (:mod:`zmqtransport.receiver`); concurrent calls are independent;
+* ``recv_checkpoint`` runs in the calling thread with DEALER sockets of its
+  own (:mod:`zmqtransport.fetch`); concurrent calls are independent;
 * ``shutdown`` stops the serving thread and terminates the ZeroMQ context.
 """
 
@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -28,8 +27,11 @@ import zmq
 from . import security, sockets, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device
+from .fetch import FetchOptions, ProgressCallback, Published, RelayOffer, fetch, fetch_digests, fetch_header
+from .fetch.connection import Configure
+from .fetch.options import VERIFY_CHOICES
+from .gcpause import paused_gc
 from .net import PeerAddress, advertised_hosts, parse_metadata, paths_with_ports, split_hosts
-from .receiver import FetchOptions, ProgressCallback, fetch, fetch_header, paused_gc
 from .serve import Server
 from .serve.staged import stage
 from .stats import TransferStats
@@ -125,7 +127,7 @@ class ZMQTransport(CheckpointTransport[T]):
             memory queued per receiver.
         streams: connections one ``recv_checkpoint`` uses. ``None``
             (default): one per path the source advertises, so one path means
-            one connection exactly as before, and a source on several networks
+            one connection, and a source on several networks
             is read over all of them at once. ``1``: one connection, over the
             most preferred path that connects. ``N > 1``: N connections,
             spread over the paths that connect. With more than one, the data
@@ -139,10 +141,22 @@ class ZMQTransport(CheckpointTransport[T]):
             one, so the source uploads the state about once rather than once
             per receiver (docs/protocol.md, "Relays"). On by default; it
             costs this receiver its upload bandwidth while it receives, and
-            ``recv_checkpoint`` returns at most ``zmqtransport.relaying.RELAY_TAIL``
+            ``recv_checkpoint`` returns at most ``zmqtransport.fetch.relaying.RELAY_TAIL``
             (1 s) after its own data is complete, never serving from the
             received memory after it returns. ``False``: never relay, and
             fetch from the source only.
+        verify: which received bytes are checked against the strong digests
+            (SHA-256, or BLAKE3 with the ``blake3`` extra on both sides) that
+            the source publishes over this receiver's own connection to it
+            (docs/protocol.md, "Digests"). ``"relayed"`` (default): every
+            message a relay sends; a relay whose bytes do not match, or that
+            answers anything but good data, is dropped for the receive (a
+            WARNING names it) and its part is fetched again, so a modified peer
+            that offered to relay changes nothing. ``"all"``: the source's own
+            messages too (end-to-end, against corruption anywhere on the way;
+            costs the source and the receiver one hash pass each, see
+            README). A source that publishes no digests (an earlier release)
+            is never relayed from; ``"all"`` refuses to receive from it.
         allow_pickle: send objects that have no pickle-free encoding as pickle,
             and accept pickled objects when receiving. Off by default: a peer's
             pickle can run arbitrary code. Both sides must opt in.
@@ -200,6 +214,7 @@ class ZMQTransport(CheckpointTransport[T]):
         window: int = DEFAULT_WINDOW,
         streams: int | None = None,
         relay: bool = True,
+        verify: str = "relayed",
         allow_pickle: bool = False,
         state_dict: Callable[[], T] | None = None,
         checksum: bool = False,
@@ -217,40 +232,46 @@ class ZMQTransport(CheckpointTransport[T]):
     ) -> None:
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
-        if type(relay) is not bool:
-            raise ValueError(f"relay={relay!r}: must be True or False")
-        if streams is not None and (type(streams) is not int or not 1 <= streams <= MAX_STREAMS):
-            raise ValueError(f"streams={streams!r}: must be None (one per path) or an integer in [1, {MAX_STREAMS}]")
+        _check_receiving(streams, relay, verify)
         bind_hosts = split_hosts(bind_host, "bind_host")
         # Chosen (and checked) before anything is acquired; the ports follow the binds.
         advertised = advertised_hosts(bind_hosts, advertise_host)
-        self._timeout = timeout
-        self._chunk_bytes = chunk_bytes
-        self._pack_below = pack_below
-        self._allow_pickle = allow_pickle
-        self._state_dict = state_dict
+        fresh_on = fresh_device(device)
+        self._timeout, self._chunk_bytes, self._pack_below = timeout, chunk_bytes, pack_below
+        self._allow_pickle, self._state_dict = allow_pickle, state_dict
         self._checksum = "crc32" if checksum else None
-        self._fetch_options = FetchOptions(
-            allow_pickle=allow_pickle,
-            window=window,
-            max_bytes=max_recv_bytes,
-            progress=progress,
-            prefault_threads=prefault_threads,
-            huge_pages=huge_pages,
-            stall_timeout=stall_seconds,
-            streams=streams,
-        )
         self._staging = staging if staging is not None else DeviceStaging()
-        self._fetch_options.device = fresh_device(device)  # before any socket exists
-        self._fetch_options.staging = self._staging
         # Resolved before any socket exists, so a bad key fails construction cleanly.
         self._curve = security.CurveSettings.resolve(
             curve_secret, curve_allowed_clients, curve_client_keypair, curve_server_keypair
         )
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
-        self._shutdown_lock = threading.Lock()
-        self._shut_down = False
+        self._shutdown_lock, self._shut_down = threading.Lock(), False
         self._zap: security.ZapHandler | None = None
+        params = self._start_server(bind_hosts, port, stall_seconds)
+        first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
+        self._address = PeerAddress(first.host, first.port, params, tuple(more))
+        self._fetch_options = FetchOptions(
+            allow_pickle=allow_pickle,
+            window=window,
+            max_bytes=max_recv_bytes,
+            progress=progress,
+            device=fresh_on,
+            staging=self._staging,
+            huge_pages=huge_pages,
+            prefault_threads=prefault_threads,
+            stall_timeout=stall_seconds,
+            streams=streams,
+            relay=RelayOffer(self._address.to_metadata(), self._server, self._peer_options) if relay else None,
+            verify=verify,
+        )
+        self.last_recv_stats: TransferStats | None = None
+
+    def _start_server(self, bind_hosts: list[str], port: int, stall_seconds: float | None) -> dict[str, str]:
+        """Bind and start serving (the ZAP handler first, with CurveZMQ); the metadata parameters.
+
+        On failure nothing stays open: the context is terminated before the error propagates.
+        """
         params: dict[str, str] = {}
         try:
             configure = None
@@ -264,7 +285,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 self._context,
                 bind_hosts,
                 port,
-                timeout.total_seconds(),
+                self._timeout.total_seconds(),
                 configure=configure,
                 staging=self._staging,
                 stall=stall_seconds,
@@ -276,13 +297,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 self._zap.close()
             sockets.terminate(self._context)
             raise
-        first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
-        self._address = PeerAddress(first.host, first.port, params, tuple(more))
-        if relay:
-            self._fetch_options.relay_at = self._address.to_metadata()
-            self._fetch_options.relay_host = self._server
-            self._fetch_options.configure_for = lambda address: self._options_for(address).configure
-        self.last_recv_stats: TransferStats | None = None
+        return params
 
     # ------------------------------------------------------------------ contract
 
@@ -302,7 +317,7 @@ class ZMQTransport(CheckpointTransport[T]):
         path of any leaf that cannot be sent.
         """
         self._check_open()
-        with paused_gc():  # see receiver.paused_gc: many tensors, no cycles
+        with paused_gc():  # many tensors, no cycles: see gcpause
             staged = stage(
                 state_dict,
                 step,
@@ -336,7 +351,8 @@ class ZMQTransport(CheckpointTransport[T]):
             src_rank,
             step,
             timeout.total_seconds(),
-            self._options_for(address),
+            self._fetch_options,
+            self._peer_options(address),
             targets,
         )
         self.last_recv_stats = stats
@@ -362,11 +378,22 @@ class ZMQTransport(CheckpointTransport[T]):
         """What the peer serves for ``step`` (tensor table, sizes), without the data."""
         self._check_open()
         address = parse_metadata(metadata)
-        options = self._options_for(address)
-        return fetch_header(self._context, address, step, timeout.total_seconds(), options)
+        options, peer_options = self._fetch_options, self._peer_options(address)
+        return fetch_header(self._context, address, step, timeout.total_seconds(), options, peer_options)
 
-    def _options_for(self, address: PeerAddress) -> FetchOptions:
-        """Fetch options for one peer: CURVE needs that peer's server key on the DEALER.
+    def fetch_digests(self, metadata: str, step: int, timeout: timedelta) -> Published:
+        """The header of ``step`` and the source's digest of every data message (docs/protocol.md, "Digests").
+
+        No tensor data moves; the source hashes what it has not hashed yet.
+        Raises ``ProtocolError`` for a source that publishes no digests.
+        """
+        self._check_open()
+        address = parse_metadata(metadata)
+        options, peer_options = self._fetch_options, self._peer_options(address)
+        return fetch_digests(self._context, address, step, timeout.total_seconds(), options, peer_options)
+
+    def _peer_options(self, address: PeerAddress) -> Configure | None:
+        """DEALER options for fetching from one peer: CURVE needs that peer's server key.
 
         Raises ``ValueError`` when the two sides disagree about CURVE: a transport
         with CURVE on never fetches in the clear, one without it cannot fetch
@@ -374,12 +401,8 @@ class ZMQTransport(CheckpointTransport[T]):
         """
         server_key = address.params.get(security.METADATA_KEY)
         if self._curve is None:
-            configure = security.client_configurator_without_settings(address.endpoint, server_key)
-        else:
-            configure = self._curve.client_configurator(address.endpoint, server_key)
-        if configure is None:
-            return self._fetch_options
-        return replace(self._fetch_options, configure=configure)
+            return security.client_configurator_without_settings(address.endpoint, server_key)
+        return self._curve.client_configurator(address.endpoint, server_key)
 
     def _in_place_targets(self) -> Any:
         """The structure to receive into, or None: a failing callable costs speed, not the heal."""
@@ -470,6 +493,15 @@ def _check_options(
         raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
     sockets.check_port(port)
     return stall_seconds
+
+
+def _check_receiving(streams: int | None, relay: bool, verify: str) -> None:
+    if verify not in VERIFY_CHOICES:
+        raise ValueError(f"verify={verify!r}: must be one of {', '.join(map(repr, VERIFY_CHOICES))}")
+    if type(relay) is not bool:
+        raise ValueError(f"relay={relay!r}: must be True or False")
+    if streams is not None and (type(streams) is not int or not 1 <= streams <= MAX_STREAMS):
+        raise ValueError(f"streams={streams!r}: must be None (one per path) or an integer in [1, {MAX_STREAMS}]")
 
 
 def _seconds_or_none(value: timedelta | float | None) -> float | None:

@@ -1,7 +1,8 @@
 """The wire format: message envelopes, the checkpoint header, and the chunk plan.
 
-Everything here is pure (no sockets) so both sides and the tests share one
-definition of the protocol. docs/protocol.md is the prose version of this file;
+Requests (:func:`decode_request`) and replies (:func:`decode_reply`) are each
+decoded in one place. Everything here is pure (no sockets) so both sides and
+the tests share one definition of the protocol. docs/protocol.md is the prose version of this file;
 keep the two in step.
 """
 
@@ -13,6 +14,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from . import digests
 from .errors import ProtocolError, VersionMismatchError
 
 PROTOCOL_VERSION = 1
@@ -26,9 +28,10 @@ OP_HEADER = "header"
 OP_DATA = "data"
 OP_END = "end"
 OP_ERROR = "error"
+OP_DIGESTS = "digests"  # the source's digests of a span's data messages (docs/protocol.md, "Digests")
 
 REQUEST_OPS = (OP_FETCH, OP_CREDIT, OP_CANCEL)
-REPLY_OPS = (OP_HEADER, OP_DATA, OP_END, OP_ERROR)
+REPLY_OPS = (OP_HEADER, OP_DATA, OP_END, OP_ERROR, OP_DIGESTS)
 
 # Error codes carried by OP_ERROR replies. The two for undecodable requests are
 # the codes of the exceptions the decoders raise, so a server answers with exc.code.
@@ -56,6 +59,7 @@ MAX_STEP = 2**63 - 1
 MAX_MESSAGES = 2**32  # bound on a span's data message numbers (a plan has far fewer)
 MAX_METADATA_CHARS = 4096  # a relay's metadata string in a request or header envelope
 RELAY_TOKEN_BYTES = 16
+MAX_DIGEST_BYTES = 64  # one digest (both algorithms give 32 bytes)
 # Most storages and tensor-table entries one header may describe. Each costs the
 # receiver Python objects and an allocation even when empty, so without a cap a
 # header of zero-sized storages could exhaust memory while claiming no bytes.
@@ -114,6 +118,13 @@ class Request:
     # shows the token the source handed out for it.
     relay: str | None = None
     token: bytes | None = None
+    # Digests (docs/protocol.md, "Digests"): the algorithms the receiver
+    # verifies with, preferred first; with ``inline`` every data envelope of
+    # this transfer carries the source's digest of its frame; with
+    # ``digests_only`` a span fetch is answered with the span's digests alone.
+    verify: tuple[str, ...] = ()
+    inline: bool = False
+    digests_only: bool = False
 
 
 def decode_request(frame: bytes | memoryview) -> Request:
@@ -136,6 +147,7 @@ def decode_request(frame: bytes | memoryview) -> Request:
             raise ProtocolError("wait_ms must be >= 0 and credit >= 1")
         span, stage = _span(message)
         relay, token = _relay_fields(message, span is not None)
+        verify, inline, digests_only = _digest_fields(message, span is not None, token is not None)
         return Request(
             op,
             xfer,
@@ -148,6 +160,9 @@ def decode_request(frame: bytes | memoryview) -> Request:
             stage=stage,
             relay=relay,
             token=token,
+            verify=verify,
+            inline=inline,
+            digests_only=digests_only,
         )
     if op == OP_CREDIT:
         credit = _field(message, "n", int)
@@ -182,6 +197,26 @@ def _relay_fields(message: dict[str, Any], is_span: bool) -> tuple[str | None, b
     return relay, token
 
 
+def _digest_fields(message: dict[str, Any], is_span: bool, to_relay: bool) -> tuple[tuple[str, ...], bool, bool]:
+    """The optional ``verify``, ``inline`` and ``digests_only`` fields of a fetch."""
+    verify, inline, only = message.get("verify"), message.get("inline", False), message.get("digests_only", False)
+    if verify is None:
+        verify = []
+    if not (
+        isinstance(verify, list)
+        and len(verify) <= digests.MAX_OFFERED
+        and all(isinstance(name, str) and 0 < len(name) <= digests.MAX_NAME_CHARS for name in verify)
+    ):
+        raise ProtocolError(f"field 'verify' must list at most {digests.MAX_OFFERED} algorithm names")
+    if type(inline) is not bool or type(only) is not bool:
+        raise ProtocolError("fields 'inline' and 'digests_only' must be booleans")
+    if (inline or only) and not verify:
+        raise ProtocolError("fields 'inline' and 'digests_only' need field 'verify'")
+    if only and (not is_span or to_relay or inline):
+        raise ProtocolError("field 'digests_only' is for a span fetch to the source, without 'inline'")
+    return tuple(verify), inline, only
+
+
 def fetch_request(
     xfer: int,
     step: int,
@@ -193,8 +228,11 @@ def fetch_request(
     stage: int | None = None,
     relay: str | None = None,
     token: bytes | None = None,
+    verify: Sequence[str] = (),
+    inline: bool = False,
+    digests_only: bool = False,
 ) -> bytes:
-    message = {
+    message: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "op": OP_FETCH,
         "id": xfer,
@@ -205,14 +243,20 @@ def fetch_request(
         "header_only": header_only,
     }
     if span is not None:
-        # Only span fetches carry these: a request without them is byte for
-        # byte what releases before spans sent.
+        # Only span fetches carry these, so a plain fetch stays byte for byte
+        # what a sender without span support parses.
         message["span"] = list(span)
         message["stage"] = stage
     if relay is not None:
         message["relay"] = relay
     if token is not None:
         message["token"] = token
+    if verify:
+        message["verify"] = list(verify)
+    if inline:
+        message["inline"] = True
+    if digests_only:
+        message["digests_only"] = True
     return pack(message)
 
 
@@ -228,18 +272,86 @@ def error_reply(xfer: int, code: str, message: str) -> bytes:
     return pack({"v": PROTOCOL_VERSION, "op": OP_ERROR, "id": xfer, "code": code, "msg": message})
 
 
-def data_envelope(xfer: int, seq: int, crc: int | None) -> bytes:
-    return pack({"v": PROTOCOL_VERSION, "op": OP_DATA, "id": xfer, "seq": seq, "crc": crc})
+def data_envelope(xfer: int, seq: int, crc: int | None, digest: bytes | None = None) -> bytes:
+    """``digest``: the source's digest of the frame, for a transfer that asked for them inline."""
+    if digest is None:
+        return pack({"v": PROTOCOL_VERSION, "op": OP_DATA, "id": xfer, "seq": seq, "crc": crc})
+    return pack({"v": PROTOCOL_VERSION, "op": OP_DATA, "id": xfer, "seq": seq, "crc": crc, "dg": digest})
 
 
-def data_crc(envelope: dict[str, Any]) -> int | None:
-    """The CRC a data envelope carries, as a relay forwards it (anything but an int: none)."""
-    crc = envelope.get("crc")
-    return crc if type(crc) is int else None
+def digests_reply(xfer: int, first: int, blob: bytes) -> bytes:
+    """``blob``: the digests of data messages ``first`` on, concatenated (one per message of the span)."""
+    return pack({"v": PROTOCOL_VERSION, "op": OP_DIGESTS, "id": xfer, "first": first, "dg": blob})
 
 
 def end_reply(xfer: int) -> bytes:
     return pack({"v": PROTOCOL_VERSION, "op": OP_END, "id": xfer})
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One validated sender->receiver envelope; ``more``: frames follow it (a header body, a payload).
+
+    What a field means depends on ``op``: ``seq`` and ``crc`` of a data
+    message; ``stage`` and ``relay`` of a header; ``code`` and ``text`` of an
+    error; ``digest`` of a header (the algorithm the source chose); ``dg``
+    of a data message (its digest) or of a ``digests`` reply (the digests of
+    messages ``seq`` on, concatenated). ``xfer`` is None only for an error
+    reply without a usable id (a sender refusing a request it could not
+    decode answers with id 0).
+    """
+
+    op: str
+    xfer: int | None
+    more: bool
+    seq: int = -1
+    crc: int | None = None
+    stage: int | None = None
+    relay: RelayOrder | None = None
+    code: str = ""
+    text: str = ""
+    digest: str | None = None
+    dg: bytes | None = None
+
+
+def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
+    """Parse and validate one sender->receiver envelope from ``who`` (a peer's description)."""
+    message = unpack(frame, MAX_REQUEST_BYTES)
+    check_version(message, who)
+    op = message.get("op")
+    xfer = message.get("id")
+    if type(xfer) is not int or not 0 <= xfer < 2**64:
+        if op != OP_ERROR:
+            raise ProtocolError(f"a {op!r} reply without a valid transfer id from {who}")
+        xfer = None
+    if op == OP_DATA:
+        seq = message.get("seq")
+        if type(seq) is not int or not 0 <= seq < MAX_MESSAGES:
+            raise ProtocolError(f"data message number {seq!r} out of range from {who}")
+        crc = message.get("crc")
+        dg = message.get("dg")
+        if dg is not None and (type(dg) is not bytes or not 0 < len(dg) <= MAX_DIGEST_BYTES):
+            raise ProtocolError(f"data message digest must be 1 to {MAX_DIGEST_BYTES} bytes from {who}")
+        return Reply(op, xfer, more, seq=seq, crc=crc if type(crc) is int else None, dg=dg)
+    if op == OP_HEADER:
+        stage = message.get("stage")
+        if stage is not None and (type(stage) is not int or not 0 <= stage < 2**64):
+            raise ProtocolError(f"header field 'stage' must be an unsigned 64-bit integer, got {stage!r}")
+        digest = message.get("digest")
+        if digest is not None and (type(digest) is not str or not 0 < len(digest) <= digests.MAX_NAME_CHARS):
+            raise ProtocolError(f"header field 'digest' must name an algorithm, got {digest!r}")
+        relay = decode_relay_order(message.get("relay"))
+        return Reply(op, xfer, more, stage=stage, relay=relay, digest=digest)
+    if op == OP_DIGESTS:
+        first, dg = message.get("first"), message.get("dg")
+        if type(first) is not int or not 0 <= first < MAX_MESSAGES or type(dg) is not bytes:
+            raise ProtocolError(f"a malformed digests reply from {who}")
+        return Reply(op, xfer, more, seq=first, dg=dg)
+    if op == OP_ERROR:
+        return Reply(op, xfer, more, code=str(message.get("code", "unknown")), text=str(message.get("msg", "")))
+    if op == OP_END:
+        return Reply(op, xfer, more)
+    raise ProtocolError(f"unknown reply op {op!r} from {who}")
 
 
 # ----------------------------------------------------------------------------- checkpoint header
@@ -276,15 +388,21 @@ class Header:
         )
 
 
-def header_envelope(xfer: int, stage: int | None = None, relay: RelayOrder | None = None) -> bytes:
+def header_envelope(
+    xfer: int, stage: int | None = None, relay: RelayOrder | None = None, digest: str | None = None
+) -> bytes:
     """``stage``: the staging's id, which also says that this sender serves span fetches.
 
     ``relay``: for a receiver that offered to relay, the token it serves
     under and where to fetch from instead of this sender (docs/protocol.md, "Relays").
+    ``digest``: for a receiver that offered to verify, the algorithm of the
+    digests this sender serves it (docs/protocol.md, "Digests").
     """
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HEADER, "id": xfer}
     if stage is not None:
         message["stage"] = stage
+    if digest is not None:
+        message["digest"] = digest
     if relay is not None:
         order: dict[str, Any] = {"token": relay.token}
         if relay.upstream is not None:

@@ -24,7 +24,8 @@ from typing import Any
 from ..lab import enter_namespace
 from .config import Knobs, Scenario
 from .methods import METHODS, Place, Receiving, RecvEnv, SendEnv, Serving, ZmqMethod
-from .payload import PeakMeter, check, make_tensors, release_free_memory, stamp, state_dict_of
+from .payload import PeakMeter, check, make_tensors, release_free_memory, stamp
+from .rogue import become_rogue, shutdown_halfway
 
 
 def serve_commands(conn: Connection, handlers: dict[str, Callable[..., Any]]) -> None:
@@ -62,8 +63,9 @@ class SenderProcess:
 
     def __init__(self, scenario: Scenario, knobs: Knobs, place: Place) -> None:
         self.scenario = scenario
-        self.tensors = make_tensors(scenario.tensor_sizes, 0.0)
-        self.env = SendEnv(self.tensors, state_dict_of(self.tensors), knobs, place, scenario.receivers)
+        layout = scenario.payload
+        self.tensors = make_tensors(layout.shapes, 0.0)
+        self.env = SendEnv(self.tensors, layout.state(self.tensors), knobs, place, scenario.receivers)
         self.servings: dict[str, Serving] = {}
         self.step = -1
         self.meter: PeakMeter | None = None
@@ -154,7 +156,7 @@ class ReceiverProcess:
         self.knobs = knobs
         self.place = place
         self.rank = rank
-        self.sizes = scenario.tensor_sizes
+        self.layout = scenario.payload
         self.targets: list[Any] = []
         self.receiving: Receiving | None = None
         self.kill_timer_s: float | None = None  # the victim of a Kill, for a method without progress
@@ -163,7 +165,7 @@ class ReceiverProcess:
         """Untimed: the recovering model's own tensors (touched) and the method's receiver."""
         chosen = METHODS[method]
         if chosen.into_targets:
-            self.targets = make_tensors(self.sizes, -1.0)
+            self.targets = make_tensors(self.layout.shapes, -1.0)
         world = self.scenario.receivers + 1
         progress = None
         kill = self.scenario.kill
@@ -172,8 +174,17 @@ class ReceiverProcess:
                 progress = _die_past(kill.at_fraction)
             else:
                 self.kill_timer_s = kill.at_fraction * _one_link_ideal_s(self.scenario)
-        env = RecvEnv(self.sizes, self.targets, self.knobs, self.place, self.rank, world, metadata, step, progress)
+        rogue = self.scenario.rogue
+        shut_down: list[Any] | None = None  # the rogue's own transport, for its progress callback
+        if rogue is not None and self.rank == 1 and isinstance(chosen, ZmqMethod):
+            become_rogue(rogue.mode)  # this process is the rogue's alone: a fresh receiver per trial
+            if rogue.mode == "shutdown":
+                shut_down = []
+                progress = shutdown_halfway(shut_down)
+        env = RecvEnv(self.layout, self.targets, self.knobs, self.place, self.rank, world, metadata, step, progress)
         self.receiving = chosen.receiver(env)
+        if shut_down is not None:
+            shut_down.append(getattr(self.receiving, "transport", None))
 
     def go(self, step: int, receives: int) -> list[dict[str, Any]]:
         """Time ``receives`` receives of ``step``, the first one cold; verify each."""
@@ -198,7 +209,7 @@ class ReceiverProcess:
         growth = meter.growth()
         in_place = 0
         if self.knobs.verify:
-            check(tensors, step, len(self.sizes))
+            check(tensors, step, len(self.layout.paths))
             owned = {t.untyped_storage().data_ptr() for t in self.targets}
             in_place = sum(1 for t in tensors if t.untyped_storage().data_ptr() in owned)
         del tensors

@@ -11,21 +11,27 @@ from dataclasses import replace
 from .. import lab
 from .config import (
     DEFAULT_SETTLE_S,
+    GROWTH_PRESETS,
     LAB_PRESETS,
+    LARGE_PRESETS,
     LOOPBACK_PRESETS,
     PRESETS,
     RELAY_PRESETS,
+    ROGUE_PRESETS,
     Knobs,
     LabSpec,
     Scenario,
+    exact_size,
     numpy_available,
     parse_option,
     parse_size,
+    settle_for,
     torchft_available,
 )
+from .layouts import UNIFORM
 from .methods import METHODS, NUMPY, TORCHFT, VARIANTS
-from .relayreport import format_paths_detail, format_relay_summary
-from .report import format_result, format_targets, machine_description, to_json
+from .relayreport import format_link_summary, format_paths_detail, format_relay_summary
+from .report import format_growth, format_result, format_targets, machine_description, memory_available, to_json
 from .runner import BenchError, ScenarioResult, run_scenario
 from .targets import evaluate_targets
 
@@ -52,7 +58,8 @@ def _add_size_options(parser: argparse.ArgumentParser) -> None:
         "--settle",
         type=float,
         help=f"idle seconds after each trial so freed memory goes back to the host "
-        f"(default {DEFAULT_SETTLE_S:g} for 64 MiB and more on loopback, else 0)",
+        f"(default {DEFAULT_SETTLE_S:g} per GiB, at least {DEFAULT_SETTLE_S:g}, for 64 MiB and more on loopback, "
+        "else 0)",
     )
 
 
@@ -89,9 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scenario",
         action="append",
-        choices=[*PRESETS, "all", "lab", "relay"],
-        help="a preset (repeatable; 'all': every loopback preset; 'lab': every lab preset; 'relay': issue 13's "
-        "lab rows and the one-receiver row they compare with); sizes below override it",
+        choices=[*PRESETS, "all", "lab", "relay", "rogue", "growth", "large"],
+        help="a preset (repeatable; 'all': every loopback preset but the large ones; 'lab': every lab preset; "
+        "'relay': the fan-out lab rows and the one-receiver row they compare with; 'rogue': issue 21's rogue "
+        "relays beside a clean fan-out; 'growth': 1, 2 and 4 GiB uniform, with a table of seconds per GiB; "
+        "'large': the transformer state, 4 and 8 GiB uniform); sizes below override it",
     )
     parser.add_argument("--lab", action="store_true", help="run the lab presets (same as --scenario lab)")
     parser.add_argument("--rate", type=float, help="lab link rate, Mbit/s per NIC and direction (default 400)")
@@ -112,7 +121,14 @@ def available_requirements() -> frozenset[str]:
 
 def _chosen_presets(args: argparse.Namespace) -> list[str]:
     names: list[str] = []
-    groups = {"all": LOOPBACK_PRESETS, "lab": LAB_PRESETS, "relay": RELAY_PRESETS}
+    groups = {
+        "all": LOOPBACK_PRESETS,
+        "lab": LAB_PRESETS,
+        "relay": RELAY_PRESETS,
+        "rogue": ROGUE_PRESETS,
+        "growth": GROWTH_PRESETS,
+        "large": LARGE_PRESETS,
+    }
     for name in args.scenario or []:
         names += list(groups.get(name, [name]))
     if args.lab:
@@ -157,15 +173,15 @@ def scenarios_from_args(args: argparse.Namespace, available: frozenset[str]) -> 
             raise SystemExit("--total and --tensor must be multiples of 4 bytes (float32)")
         if args.settle is not None:
             settle = args.settle
-        elif custom:
-            settle = DEFAULT_SETTLE_S if total >= 64 << 20 else 0.0
+        elif custom or (args.total is not None and scenario.lab is None):
+            settle = settle_for(total)
         else:
             settle = scenario.settle_s
         spec = scenario.lab
         if spec is not None and args.rate is not None:
             spec = LabSpec(spec.nics, args.rate)
         chosen.append(
-            replace(
+            _sized(
                 scenario,
                 total_bytes=total,
                 tensor_bytes=tensor,
@@ -181,6 +197,12 @@ def scenarios_from_args(args: argparse.Namespace, available: frozenset[str]) -> 
     return chosen
 
 
+def _sized(scenario: Scenario, **changes: object) -> Scenario:
+    """``scenario`` with ``changes``; a shaped layout's total is what it really holds."""
+    changed = replace(scenario, **changes)  # type: ignore[arg-type]
+    return changed if changed.layout == UNIFORM else exact_size(changed)
+
+
 def _check_arguments(args: argparse.Namespace) -> None:
     if args.receivers is not None and args.receivers < 1:
         raise SystemExit("--receivers must be at least 1")
@@ -191,14 +213,17 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _print_relays(results: Sequence[ScenarioResult], detail: bool) -> None:
-    """Issue 13's table (several receivers against one) and, with ``--detail``, who sent what to whom."""
-    for text in (format_relay_summary(results), format_paths_detail(results) if detail else ""):
+    """The fan-out tables (several receivers against one; each against its own link) and who sent what to whom."""
+    detailed = format_paths_detail(results) if detail else ""
+    for text in (format_relay_summary(results), format_link_summary(results), detailed):
         if text:
             print()
             print(text)
 
 
-def _print_tables(results: Sequence[ScenarioResult], argv: Sequence[str], detail: bool = False) -> None:
+def _print_tables(
+    results: Sequence[ScenarioResult], argv: Sequence[str], detail: bool = False, skipped: Sequence[str] = ()
+) -> None:
     machine = machine_description()
     print(
         f"machine: {machine['cpus']} x {machine['cpu_model']}, {machine['memory_gib']} GiB, "
@@ -212,6 +237,13 @@ def _print_tables(results: Sequence[ScenarioResult], argv: Sequence[str], detail
     for result in results:
         print()
         print(format_result(result))
+    for reason in skipped:
+        print()
+        print(reason)
+    growth = format_growth(results)
+    if growth:
+        print()
+        print(growth)
     _print_relays(results, detail)
     targets = evaluate_targets(results)
     if targets:
@@ -244,18 +276,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _log_missing(available, log)
     results: list[ScenarioResult] = []
+    skipped: list[str] = []
     try:
         for scenario in scenarios:
+            reason = _too_little_memory(scenario)
+            if reason:
+                skipped.append(reason)
+                log(reason)
+                continue
             log(f"running scenario {scenario.name}: {', '.join(scenario.methods)}")
             results.append(run_scenario(scenario, knobs, log))
     except BenchError as exc:
         log(f"benchmark failed: {exc}")
         return 1
     if args.json:
-        print(json.dumps(to_json(results, knobs, argv), indent=2))
+        print(json.dumps({**to_json(results, knobs, argv), "skipped": skipped}, indent=2))
     else:
-        _print_tables(results, argv, args.detail)
+        _print_tables(results, argv, args.detail, skipped)
     return 0
+
+
+def _too_little_memory(scenario: Scenario) -> str:
+    """Why ``scenario`` is skipped on this machine now, or "" (both sides must fit in memory together)."""
+    available, needed = memory_available(), scenario.memory_needed
+    if available is None or available >= needed:
+        return ""
+    gib = float(1 << 30)
+    return (
+        f"skipped scenario {scenario.name}: it needs {needed / gib:.1f} GiB of available memory "
+        f"(the sender and each receiver hold the state), {available / gib:.1f} GiB are available"
+    )
 
 
 def _log_missing(available: frozenset[str], log: Callable[[str], None]) -> None:

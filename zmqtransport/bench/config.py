@@ -8,16 +8,51 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .layouts import TRANSFORMER, UNIFORM, Layout, layout_of
+
 DEFAULT_SETTLE_S = 3.0
+# Beyond the states: the processes themselves, HTTPTransport's buffers, the page cache others need.
+MEMORY_HEADROOM = 2 << 30
 DEFAULT_RATE_MBIT = 400.0
+
+
+def settle_for(total_bytes: int) -> float:
+    """The default idle seconds after a trial: none below 64 MiB, else DEFAULT_SETTLE_S per GiB (at least that).
+
+    The guest hands memory freed by one trial back to its host over seconds, at
+    a rate of its own (hundreds of MiB per second at best, here); a settle
+    that does not grow with the state would leave the next trial of a 4 GiB
+    run more of the previous trial's warm pages than a 1 GiB run, and the
+    growth table would compare unlike memory.
+    """
+    if total_bytes < 64 << 20:
+        return 0.0
+    return DEFAULT_SETTLE_S * max(1.0, total_bytes / (1 << 30))
 
 
 @dataclass(frozen=True)
 class LabSpec:
-    """Run a scenario in a network lab: one source host, one host per receiver."""
+    """Run a scenario in a network lab: one source host (0), one host per receiver (receiver rank r on host r).
+
+    ``host_rates``: ``(host, Mbit/s)`` pairs for hosts whose NICs run at
+    another rate than ``rate_mbit`` (mixed links: a slower port, another rack).
+    """
 
     nics: int = 1
     rate_mbit: float = DEFAULT_RATE_MBIT
+    host_rates: tuple[tuple[int, float], ...] = ()
+
+    def rate_of(self, host: int) -> float:
+        """Mbit/s of each of ``host``'s NICs, per direction."""
+        return dict(self.host_rates).get(host, self.rate_mbit)
+
+    def ideal_s(self, total_bytes: int, host: int) -> float:
+        """The time ``total_bytes`` take into ``host`` at its NICs' nominal rate (its own link's ideal)."""
+        return total_bytes / (self.nics * self.rate_of(host) * 1e6 / 8)
+
+    @property
+    def mixed(self) -> bool:
+        return any(rate != self.rate_mbit for _, rate in self.host_rates)
 
 
 @dataclass(frozen=True)
@@ -34,6 +69,17 @@ class Kill:
     rank: int = 1
     at_fraction: float = 0.4
     lead_s: float = 0.2
+
+
+@dataclass(frozen=True)
+class Rogue:
+    """Receiver 1's relaying is modified (issue 21: a rogue relay; modes in :mod:`.rogue`).
+
+    With the scenario's ``lead_s`` it asks first, so it heads the source's
+    relay chain; its own receive is not counted.
+    """
+
+    mode: str = "flip"
 
 
 @dataclass(frozen=True)
@@ -57,11 +103,25 @@ class Scenario:
     warm: bool = False
     lab: LabSpec | None = None
     kill: Kill | None = None
+    rogue: Rogue | None = None
+    # Receiver 1 asks this many seconds before the others (first in the source's relay chain).
+    lead_s: float = 0.0
+    # What the state dict looks like (layouts.LAYOUTS); a transformer's size is
+    # its weights and Adam moments together, about total_bytes (tensor_bytes unused).
+    layout: str = UNIFORM
+
+    @property
+    def payload(self) -> Layout:
+        return layout_of(self.layout, self.total_bytes, self.tensor_bytes)
 
     @property
     def tensor_sizes(self) -> list[int]:
-        full, rest = divmod(self.total_bytes, self.tensor_bytes)
-        return [self.tensor_bytes] * full + ([rest] if rest else [])
+        return self.payload.sizes
+
+    @property
+    def memory_needed(self) -> int:
+        """Memory a run needs: the sender and every receiver each hold the state, plus room for the rest."""
+        return (self.receivers + 1) * self.total_bytes + MEMORY_HEADROOM
 
 
 @dataclass(frozen=True)
@@ -153,14 +213,58 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-kill"] = Scenario(
         "lab-kill", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(), kill=Kill()
     )
+    # Issue 22 (mixed links): the first receiver to ask on a link 4x slower than the others'.
+    mixed = LabSpec(host_rates=((1, DEFAULT_RATE_MBIT / 4),))
+    rows["lab-mixed"] = Scenario(
+        "lab-mixed", 32 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=mixed, lead_s=0.2
+    )
+    # Issue 21: a rogue relay at the head of the chain, and an honest one that shuts down mid-transfer.
+    for mode in ("flip", "error", "silent", "shutdown"):
+        rows[f"lab-rogue-{mode}"] = Scenario(
+            f"lab-rogue-{mode}", 64 * mib, 4 * mib, receivers=3, methods=("zmq-fresh",), reps=3, lab=LabSpec(),
+            rogue=Rogue(mode), lead_s=0.2,
+        )  # fmt: skip
     return rows
 
 
-PRESETS = _with_relay_rows(_presets())
-# Issue 13's rows and the one-receiver time they are compared with: ``--scenario relay``.
-RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill")
+def exact_size(scenario: Scenario) -> Scenario:
+    """``scenario`` with ``total_bytes`` what its layout really holds (a transformer's is only about the request)."""
+    return replace(scenario, total_bytes=sum(scenario.tensor_sizes))
+
+
+def _large_presets() -> dict[str, Scenario]:
+    """Issue 24: how time grows with the state (1, 2, 4, 8 GiB uniform) and a transformer's state with Adam's."""
+    gib, mib = 1 << 30, 1 << 20
+    methods = ("tcp-reused", "tcp-fresh", "http-4", "zmq-fresh", "zmq-inplace")
+    rows = {}
+    for size in (1, 2, 4, 8):
+        name = f"uniform-{size}g"
+        rows[name] = Scenario(name, size * gib, 4 * mib, methods=methods, reps=3, settle_s=settle_for(size * gib))
+    transformer = Scenario(
+        "transformer",
+        int(3.5 * gib),
+        4 * mib,
+        methods=methods,
+        reps=3,
+        settle_s=settle_for(int(3.5 * gib)),
+        layout=TRANSFORMER,
+    )
+    rows["transformer"] = exact_size(transformer)
+    return rows
+
+
+LARGE = _large_presets()
+PRESETS = {**_with_relay_rows(_presets()), **LARGE}
+# The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
+RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed")
+# Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
+ROGUE_PRESETS = ("lab-1to1", "lab-1to3", "lab-rogue-flip", "lab-rogue-error", "lab-rogue-silent", "lab-rogue-shutdown")
 LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)
-LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None)
+# ``--scenario all``: every loopback preset but the large ones (minutes each, GiBs of memory on both sides).
+LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None and name not in LARGE)
+# Issue 24: ``--scenario growth`` (the README's growth table) and ``--scenario large``.
+GROWTH_PRESETS = ("uniform-1g", "uniform-2g", "uniform-4g")
+LARGE_PRESETS = ("transformer", "uniform-4g", "uniform-8g")
 
 
 def parse_size(text: str) -> int:

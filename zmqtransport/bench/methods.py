@@ -28,6 +28,7 @@ import torch
 from ..transport import ZMQTransport
 from .barezmq import BareServer, bare_receive
 from .config import Knobs
+from .layouts import Layout
 from .payload import empty_float32, recv_views, send_views, views_of
 
 TORCHFT = "torchft"
@@ -53,7 +54,7 @@ class SendEnv:
     """What the sender process offers every method's serving side."""
 
     tensors: list[Any]
-    state: dict[str, Any]
+    state: dict[Any, Any]  # the tensors in their layout's state dict
     knobs: Knobs
     place: Place
     receivers: int
@@ -71,7 +72,7 @@ class SendEnv:
 class RecvEnv:
     """What a fresh receiver process offers: sizes, its own touched targets, where the sender is."""
 
-    sizes: list[int]
+    layout: Layout
     targets: list[Any]  # empty unless the method receives into existing tensors
     knobs: Knobs
     place: Place
@@ -87,8 +88,12 @@ class RecvEnv:
         self.target_views = views_of(self.targets)
 
     @property
-    def target_state(self) -> dict[str, Any]:
-        return {f"layer{index:06d}.weight": tensor for index, tensor in enumerate(self.targets)}
+    def sizes(self) -> list[int]:
+        return self.layout.sizes
+
+    @property
+    def target_state(self) -> dict[Any, Any]:
+        return self.layout.state(self.targets)
 
     @property
     def timeout(self) -> timedelta:
@@ -317,7 +322,7 @@ class _TransportReceiving:
 
     def receive(self, step: int) -> list[Any]:
         result = self.transport.recv_checkpoint(0, self.env.metadata, step, self.env.timeout)
-        return list(result.values())
+        return self.env.layout.tensors_in(result)
 
     def stats(self) -> dict[str, Any]:
         """ZMQTransport's receive stats: bytes per path, connections, duplicates dropped."""
@@ -344,6 +349,7 @@ class ZmqMethod:
     requires: frozenset[str] = frozenset()
     streams: int | None = None
     relay: bool = True  # the receiver's option (issue 13); False: fetch from the source only
+    verify: str = "relayed"  # the receiver's option (issue 21); "all": every message checked against its digest
 
     def _transport(self, env: SendEnv | RecvEnv, **extra: Any) -> ZMQTransport[Any]:
         hosts = env.place.hosts
@@ -358,6 +364,8 @@ class ZmqMethod:
         extra: dict[str, Any] = {} if self.streams is None else {"streams": self.streams}
         if not self.relay:
             extra["relay"] = False
+        if self.verify != "relayed":
+            extra["verify"] = self.verify
         if env.progress is not None:
             extra["progress"] = env.progress
         if self.into_targets:
@@ -505,8 +513,8 @@ class PgMethod:
 
     def receiver(self, env: RecvEnv) -> Receiving:
         group = _process_group(env.metadata, env.step, env.rank, env.world, env.timeout)
-        state = env.target_state
-        transport = _pg_transport(group, env.timeout, (lambda: state) if self.into_targets else None)
+        state = env.target_state if self.into_targets else None  # a fresh receive has no targets to lay out
+        transport = _pg_transport(group, env.timeout, (lambda: state) if state is not None else None)
         return _TransportReceiving(env, transport)
 
 
@@ -521,6 +529,8 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-inplace-1s", into_targets=True, streams=1),
         ZmqMethod("zmq-inplace-4s", into_targets=True, streams=4),
         ZmqMethod("zmq-norelay", into_targets=False, relay=False),
+        ZmqMethod("zmq-inplace-verify", into_targets=True, verify="all"),
+        ZmqMethod("zmq-fresh-verify", into_targets=False, verify="all"),
         CutMethod("zmq-inplace-cut", ZmqMethod("zmq-inplace", into_targets=True)),
         HttpMethod("http", chunks=0),
         HttpMethod("http-4", chunks=4),
@@ -530,4 +540,6 @@ METHODS: dict[str, Method] = {
 }
 
 # Variants of a method (another option, a fault): run only where named (a preset, --methods).
-VARIANTS = frozenset({"zmq-inplace-1s", "zmq-inplace-4s", "zmq-inplace-cut", "zmq-norelay"})
+VARIANTS = frozenset(
+    {"zmq-inplace-1s", "zmq-inplace-4s", "zmq-inplace-cut", "zmq-norelay", "zmq-inplace-verify", "zmq-fresh-verify"}
+)

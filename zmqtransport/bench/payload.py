@@ -17,20 +17,31 @@ from ..buffers import tensor_view
 _IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
 
 
-def make_tensors(sizes: Sequence[int], fill: float) -> list[Any]:
-    """float32 tensors of the given byte sizes, touched (every page written)."""
-    return [torch.full((max(1, n // 4),), fill, dtype=torch.float32) for n in sizes]
+def make_tensors(shapes: Sequence[tuple[int, ...]], fill: float) -> list[Any]:
+    """float32 tensors of the given shapes, touched (every page written)."""
+    return [torch.full(shape, fill, dtype=torch.float32) for shape in shapes]
 
 
 def empty_float32(nbytes: int) -> Any:
     return torch.empty(max(1, nbytes // 4), dtype=torch.float32)
 
 
+_EXACT = 1 << 24  # float32 holds every integer below this exactly
+
+
 def stamp(tensors: Sequence[Any], step: int) -> None:
-    """Give every tensor content that identifies both the tensor and the trial."""
+    """Give every tensor content that identifies both the tensor and the trial.
+
+    The first element holds the tensor's index and the others the step; a
+    one-element tensor (an optimizer's step count) holds both, summed.
+    """
     for index, tensor in enumerate(tensors):
-        tensor.fill_(float(step))
-        tensor[0] = float(index % (1 << 24))
+        flat = tensor.view(-1)
+        if flat.numel() == 1:
+            flat[0] = float((index + step) % _EXACT)
+            continue
+        flat.fill_(float(step))
+        flat[0] = float(index % _EXACT)
 
 
 def check(tensors: Sequence[Any], step: int, count: int) -> None:
@@ -38,12 +49,12 @@ def check(tensors: Sequence[Any], step: int, count: int) -> None:
         raise AssertionError(f"received {len(tensors)} tensors, expected {count}")
     for index, tensor in enumerate(tensors):
         flat = tensor.reshape(-1)
-        if float(flat[0]) != float(index % (1 << 24)) or float(flat[-1]) != float(step):
+        if flat.numel() == 1:
+            right = float(flat[0]) == float((index + step) % _EXACT)
+        else:
+            right = float(flat[0]) == float(index % _EXACT) and float(flat[-1]) == float(step)
+        if not right:
             raise AssertionError(f"tensor {index} has wrong content after step {step}")
-
-
-def state_dict_of(tensors: Sequence[Any]) -> dict[str, Any]:
-    return {f"layer{index:06d}.weight": tensor for index, tensor in enumerate(tensors)}
 
 
 def views_of(tensors: Sequence[Any]) -> list[memoryview]:

@@ -1,4 +1,4 @@
-"""Issue 13 (relays) in the benchmark: several receivers against one, and who sent what to whom.
+"""Fan-out in the benchmark (issues 13, 22): several receivers against one, each against its own link, who sent what.
 
 Every lab row with several receivers on one NIC each is compared with the
 one-receiver time of the same run (a lab scenario with one receiver, one NIC,
@@ -14,6 +14,7 @@ receiver rank r runs on host r, so an endpoint names who sent the bytes.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class RelayRow:
     method: str
     receivers: int
     killed: int  # receivers SIGKILLed per trial (their times are not counted)
+    rogue: str  # the rogue relay's mode ("" without one; its own time is not counted)
     slowest_s: float
     reference_method: str
     reference_s: float
@@ -46,6 +48,7 @@ def _is_reference(candidate: ScenarioResult, result: ScenarioResult) -> bool:
     return (
         one.receivers == 1
         and one.kill is None
+        and one.rogue is None
         and one.lab is not None
         and one.lab == many.lab
         and one.total_bytes == many.total_bytes
@@ -75,8 +78,17 @@ def relay_rows(results: Sequence[ScenarioResult]) -> list[RelayRow]:
             mine = [trial for trial in result.trials if trial.method == method]
             killed = max((len(trial.killed) for trial in mine), default=0)
             sent = sum(entry.source_sent) / scenario.total_bytes
+            rogue = scenario.rogue.mode if scenario.rogue is not None else ""
             row = RelayRow(
-                scenario.name, method, scenario.receivers, killed, entry.slowest_s, reference, ones[reference], sent
+                scenario.name,
+                method,
+                scenario.receivers,
+                killed,
+                rogue,
+                entry.slowest_s,
+                reference,
+                ones[reference],
+                sent,
             )
             rows.append(row)
     return rows
@@ -87,7 +99,8 @@ def format_relay_summary(results: Sequence[ScenarioResult]) -> str:
     rows = relay_rows(results)
     if not rows:
         return ""
-    header = ["scenario", "method", "receivers", "killed", "slowest s", "one-receiver s", "x one", "sent/state"]
+    header = ["scenario", "method", "receivers", "killed", "rogue"]
+    header += ["slowest s", "one-receiver s", "x one", "sent/state"]
     table = [header]
     for row in rows:
         borrowed = "" if row.reference_method == row.method else f" ({row.reference_method})"
@@ -98,6 +111,7 @@ def format_relay_summary(results: Sequence[ScenarioResult]) -> str:
                 row.method,
                 str(row.receivers),
                 str(row.killed),
+                row.rogue or "-",
                 f"{row.slowest_s:.3f}",
                 reference,
                 f"{row.times_one:.2f}",
@@ -106,7 +120,68 @@ def format_relay_summary(results: Sequence[ScenarioResult]) -> str:
         )
     title = (
         "relays (issue 13): slowest receiver / the one-receiver time of this run (same method, else zmq-fresh); "
-        "sent/state: the source host's NIC bytes / the state (median trial); killed: receivers SIGKILLed mid-transfer"
+        "sent/state: the source host's NIC bytes / the state (median trial); killed: receivers SIGKILLed mid-transfer; "
+        "rogue: receiver 1's relaying modified (issue 21), its own time not counted"
+    )
+    return "\n".join([title, *_plain_table(table)])
+
+
+@dataclass(frozen=True)
+class LinkRow:
+    """One receiver of a mixed-links scenario: its median time against its own link's ideal."""
+
+    scenario: str
+    method: str
+    rank: int
+    rate_mbit: float
+    seconds: float
+    ideal_s: float
+    sent_over_state: float  # the source host's NIC bytes / state bytes (median trial), same for every rank
+
+    @property
+    def times_ideal(self) -> float:
+        return self.seconds / self.ideal_s
+
+
+def link_rows(results: Sequence[ScenarioResult]) -> list[LinkRow]:
+    """Per method and receiver of every mixed-links lab scenario (no receiver killed)."""
+    rows: list[LinkRow] = []
+    for result in results:
+        scenario, lab = result.scenario, result.scenario.lab
+        if lab is None or not lab.mixed or scenario.kill is not None:
+            continue
+        for method, entry in result.summary.items():
+            mine = [trial for trial in result.trials if trial.method == method]
+            sent = sum(entry.source_sent) / scenario.total_bytes
+            for rank in range(1, scenario.receivers + 1):
+                seconds = statistics.median(trial.seconds[rank - 1] for trial in mine)
+                ideal = lab.ideal_s(scenario.total_bytes, rank)
+                rows.append(LinkRow(scenario.name, method, rank, lab.rate_of(rank), seconds, ideal, sent))
+    return rows
+
+
+def format_link_summary(results: Sequence[ScenarioResult]) -> str:
+    """Issue 22's table: every receiver's time over its own link's ideal, on unequal links."""
+    rows = link_rows(results)
+    if not rows:
+        return ""
+    table = [["scenario", "method", "receiver", "Mbit/s", "seconds", "own ideal s", "x own ideal", "sent/state"]]
+    for row in rows:
+        table.append(
+            [
+                row.scenario,
+                row.method,
+                f"r{row.rank}",
+                f"{row.rate_mbit:g}",
+                f"{row.seconds:.3f}",
+                f"{row.ideal_s:.3f}",
+                f"{row.times_ideal:.2f}",
+                f"{row.sent_over_state:.2f}",
+            ]
+        )
+    title = (
+        "mixed links (issue 22): each receiver's median seconds / the state over its own link's nominal rate; "
+        "r1 asks first; sent/state: the source host's NIC bytes / the state"
     )
     return "\n".join([title, *_plain_table(table)])
 
@@ -136,7 +211,7 @@ def format_paths_detail(results: Sequence[ScenarioResult]) -> str:
         for trial in result.trials:
             if not any(trial.recv_paths):
                 continue
-            survivors = [rank for rank in range(1, receivers + 1) if rank not in trial.killed]
+            survivors = [rank for rank in range(1, receivers + 1) if rank not in (*trial.killed, *trial.rogue)]
             parts = []
             for rank, paths, seconds in zip(survivors, trial.recv_paths, trial.seconds, strict=True):
                 sources = ", ".join(
@@ -145,6 +220,7 @@ def format_paths_detail(results: Sequence[ScenarioResult]) -> str:
                 )
                 parts.append(f"r{rank} {seconds:.2f} s <- {sources}")
             killed = f" (killed: {', '.join(f'r{rank}' for rank in trial.killed)})" if trial.killed else ""
+            killed += f" (rogue: {', '.join(f'r{rank}' for rank in trial.rogue)})" if trial.rogue else ""
             sent = sum(trial.source_sent) / _MIB
             lines.append(
                 f"  [{result.scenario.name}] {trial.method} trial {trial.trial}{killed}: source sent {sent:.1f} MiB; "

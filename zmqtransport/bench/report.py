@@ -13,7 +13,9 @@ from typing import Any
 import torch
 import zmq
 
-from .config import Knobs
+from .config import Knobs, Scenario
+from .growth import growth_series, seconds_per_gib
+from .layouts import UNIFORM
 from .methods import METHODS, CutMethod
 from .runner import MethodSummary, ScenarioResult, path_host
 from .targets import Target, evaluate_targets
@@ -81,14 +83,35 @@ def _table(rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where unknown)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _what(scenario: Scenario) -> str:
+    count = len(scenario.tensor_sizes)
+    if scenario.layout == UNIFORM:
+        return f"{count} float32 tensor(s) of {human_bytes(scenario.tensor_bytes)}"
+    sizes = scenario.tensor_sizes
+    return (
+        f"{count} float32 tensors of {human_bytes(min(sizes))} to {human_bytes(max(sizes))} "
+        f"({scenario.payload.description})"
+    )
+
+
 def _title(result: ScenarioResult) -> str:
     scenario = result.scenario
     where = "loopback"
     if scenario.lab is not None:
         where = f"lab: {scenario.receivers + 1} hosts x {scenario.lab.nics} NIC(s) at {scenario.lab.rate_mbit:g} Mbit/s"
+        where += "".join(f", host {host} at {rate:g}" for host, rate in scenario.lab.host_rates)
     return (
-        f"scenario {scenario.name}: {human_bytes(scenario.total_bytes)} as {len(scenario.tensor_sizes)} float32 "
-        f"tensor(s) of {human_bytes(scenario.tensor_bytes)}, {scenario.receivers} receiver(s), {where}; "
+        f"scenario {scenario.name}: {human_bytes(scenario.total_bytes)} as {_what(scenario)}, "
+        f"{scenario.receivers} receiver(s), {where}; "
         f"{scenario.reps} trial(s), fresh receiver processes, {scenario.settle_s:g} s settle, "
         f"medians ({result.wall_seconds:.0f} s wall)"
     )
@@ -199,6 +222,25 @@ def format_lab_result(result: ScenarioResult) -> str:
     explained = "state bytes / the nominal rate of one receiver's NICs together"
     lines = [_title(result), f"ideal: {_seconds(ideal)} s ({explained})"]
     return "\n".join([*lines, *_table(rows), *_path_notes(result), *_notes(result)])
+
+
+def format_growth(results: Sequence[ScenarioResult]) -> str:
+    """How each method's cold seconds per GiB grow with the state, over the run's uniform scenarios."""
+    series = growth_series(results)
+    if not series:
+        return ""
+    methods = [m for m in series[0].summary if all(m in r.summary for r in series)]
+    sizes = [human_bytes(r.scenario.total_bytes) for r in series]
+    header = ["method", *(f"s/GiB at {size}" for size in sizes), f"growth {sizes[-1]} / {sizes[0]}"]
+    rows = [header]
+    for method in methods:
+        per_gib = [seconds_per_gib(r, method) for r in series]
+        rows.append([method, *(f"{x:.3f}" for x in per_gib), f"{per_gib[-1] / per_gib[0]:.2f}"])
+    title = (
+        "growth: cold seconds per GiB by state size (medians of each scenario above); growth is seconds per GiB "
+        f"at {sizes[-1]} over seconds per GiB at {sizes[0]} (1.00: time grows as the bytes)"
+    )
+    return "\n".join([title, *_table(rows)])
 
 
 def format_targets(targets: Sequence[Target]) -> str:

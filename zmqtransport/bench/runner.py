@@ -69,7 +69,8 @@ def network_for(scenario: Scenario) -> Iterator[Network]:
         yield Loopback()
         return
     spec = scenario.lab
-    with Lab(hosts=scenario.receivers + 1, nics=spec.nics, rate_mbit=spec.rate_mbit) as lab:
+    hosts = scenario.receivers + 1
+    with Lab(hosts=hosts, nics=spec.nics, rate_mbit=spec.rate_mbit, host_rates=dict(spec.host_rates)) as lab:
         yield LabNetwork(lab)
 
 
@@ -106,25 +107,40 @@ class _Child:
 
 
 def _go(
-    receivers: Sequence[_Child], timeout: float, step: int, receives: int, kill: Kill | None
+    receivers: Sequence[_Child],
+    timeout: float,
+    step: int,
+    receives: int,
+    kill: Kill | None,
+    lead_s: float = 0.0,
+    rogue: bool = False,
 ) -> list[list[Any] | None]:
-    """Start every receive and collect the outcomes; None for a receiver that was killed as planned.
+    """Start every receive and collect the outcomes; None for a receiver not counted (killed as planned, a rogue).
 
     With a :class:`Kill`, its victim starts ``lead_s`` before the others (first
     in the source's relay chain) and must die of SIGKILL, or finish first.
+    Without one, ``lead_s`` > 0 starts receiver 1 that much before the others.
+    ``rogue``: receiver 1 is a rogue relay (:class:`Rogue`); its own outcome
+    is not counted (it may even fail).
     """
-    if kill is None:
-        return list(_gather(receivers, timeout, "go", step, receives))
-    victim = receivers[kill.rank - 1]
-    victim.send("go", step, receives)
-    time.sleep(kill.lead_s)
-    others = [child for child in receivers if child is not victim]
-    for child in others:
-        child.send("go", step, receives)
+    leader = receivers[kill.rank - 1] if kill is not None else receivers[0] if lead_s > 0 else None
+    if leader is None:
+        for child in receivers:
+            child.send("go", step, receives)
+    else:
+        leader.send("go", step, receives)
+        time.sleep(kill.lead_s if kill is not None else lead_s)
+        for child in receivers:
+            if child is not leader:
+                child.send("go", step, receives)
     replies: list[list[Any] | None] = []
-    for child in receivers:
-        if child is victim:
-            replies.append(_victim_reply(victim, timeout))
+    for rank, child in enumerate(receivers, start=1):
+        if kill is not None and child is leader:
+            replies.append(_victim_reply(child, timeout))
+        elif rogue and rank == 1:
+            with contextlib.suppress(BenchError):  # a rogue that shut itself down fails its own receive
+                child.reply(timeout)
+            replies.append(None)
         else:
             replies.append(child.reply(timeout))
     return replies
@@ -182,6 +198,7 @@ class Trial:
     duplicates: list[int] = field(default_factory=list)  # per receiver: data messages that came twice (dropped)
     cut_s: float | None = None  # a CutMethod's trial: when the link went down, seconds after the receives began
     killed: list[int] = field(default_factory=list)  # ranks SIGKILLed mid-transfer (scenario.kill); lists skip them
+    rogue: list[int] = field(default_factory=list)  # ranks of rogue relays (scenario.rogue); lists skip them
 
 
 @dataclass
@@ -248,16 +265,19 @@ class _Run:
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
             with self._cut_link(method) as cut:
-                replies = _go(receivers, timeout, step, self.receives, scenario.kill)
+                has_rogue = scenario.rogue is not None
+                replies = _go(receivers, timeout, step, self.receives, scenario.kill, scenario.lead_s, has_rogue)
             send_rss = self.sender.call(timeout, "finish", method)
             after = self.network.source_sent()
             _gather([r for r, runs in zip(receivers, replies, strict=True) if runs is not None], 30.0, "exit")
         finally:
             for receiver in receivers:
                 receiver.stop()
-        # The survivors, in rank order (a killed receiver has no outcome).
+        # The survivors, in rank order (a killed receiver or a rogue has no outcome).
         outcomes = [runs for runs in replies if runs is not None]
-        killed = [rank for rank, runs in enumerate(replies, start=1) if runs is None]
+        uncounted = [rank for rank, runs in enumerate(replies, start=1) if runs is None]
+        rogue = [1] if scenario.rogue is not None else []
+        killed = [rank for rank in uncounted if rank not in rogue]
         cold = [runs[0] for runs in outcomes]
         self.resettable = self.resettable and all(o["resettable"] for o in cold)
         return Trial(
@@ -275,6 +295,7 @@ class _Run:
             [o["duplicates"] for o in cold],
             cut.at_s,
             killed,
+            rogue,
         )
 
     @contextlib.contextmanager

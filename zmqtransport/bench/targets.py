@@ -1,11 +1,13 @@
-"""The performance targets of issues 4, 12, 13 and 16, checked wherever a run measured what they need."""
+"""The performance targets of issues 4, 12, 13, 16, 21, 22 and 24, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .relayreport import RELAYING, relay_rows
+from .growth import growth_series, seconds_per_gib
+from .layouts import UNIFORM
+from .relayreport import RELAYING, link_rows, relay_rows
 from .runner import ScenarioResult
 
 
@@ -24,8 +26,16 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issues 4, 12, 13 and 16, wherever the run measured what they need."""
-    return _issue4_targets(results) + _issue12_targets(results) + _issue13_targets(results) + _issue16_targets(results)
+    """The performance targets of issues 4, 12, 13, 16, 21, 22 and 24, wherever the run measured what they need."""
+    return (
+        _issue4_targets(results)
+        + _issue12_targets(results)
+        + _issue13_targets(results)
+        + _issue16_targets(results)
+        + _issue21_targets(results)
+        + _issue22_targets(results)
+        + _issue24_targets(results)
+    )
 
 
 # Issue 12 (several paths and streams, in the lab): (method, NICs per host, most seconds / one stream's seconds).
@@ -66,7 +76,7 @@ def _issue13_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         if row.method not in RELAYING:
             continue
         shape = "killed" if row.killed else "three" if row.receivers == 3 else "seven" if row.receivers == 7 else ""
-        if not shape:
+        if not shape or row.rogue:
             continue
         what = f"{row.receivers} receivers" + (f", {row.killed} relay SIGKILLed mid-transfer" if row.killed else "")
         text = f"{row.method} slowest / one-receiver seconds ({what})"
@@ -74,6 +84,61 @@ def _issue13_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         if shape == "three":
             text = f"{row.method} source upload / state ({what})"
             targets.append(Target(row.scenario, text, row.sent_over_state, _UPLOAD_OVER_STATE, False, 13))
+    return targets
+
+
+# Issue 21 (a rogue relay, in the lab): most slowest-honest-receiver seconds / the clean fan-out's.
+_ROGUE_OVER_CLEAN = 2.0
+
+
+def _issue21_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Honest receivers behind a rogue relay against the same fan-out without one, in the same run."""
+    targets: list[Target] = []
+    for result in results:
+        scenario = result.scenario
+        if scenario.rogue is None or scenario.lab is None:
+            continue
+        clean = next(
+            (
+                other
+                for other in results
+                if other.scenario.rogue is None
+                and other.scenario.kill is None
+                and other.scenario.lab == scenario.lab
+                and other.scenario.receivers == scenario.receivers
+                and other.scenario.total_bytes == scenario.total_bytes
+            ),
+            None,
+        )
+        if clean is None:
+            continue
+        for method, entry in result.summary.items():
+            reference = clean.summary.get(method)
+            if method not in RELAYING or reference is None:
+                continue
+            text = f"{method} slowest honest / clean fan-out slowest (rogue relay: {scenario.rogue.mode})"
+            measured = entry.slowest_s / reference.slowest_s
+            targets.append(Target(scenario.name, text, measured, _ROGUE_OVER_CLEAN, False, 21))
+    return targets
+
+
+# Issue 22 (mixed links): most seconds over a receiver's own link's ideal; most source upload over the state.
+_OWN_IDEAL_LIMIT = 1.3
+_MIXED_UPLOAD_LIMIT = 2.0
+
+
+def _issue22_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Every relaying receiver on unequal links against its own link's ideal (relayreport.link_rows)."""
+    targets: list[Target] = []
+    uploads: dict[tuple[str, str], float] = {}
+    for row in link_rows(results):
+        if row.method not in RELAYING:
+            continue
+        text = f"{row.method} r{row.rank} ({row.rate_mbit:g} Mbit/s) seconds / its own link's ideal"
+        targets.append(Target(row.scenario, text, row.times_ideal, _OWN_IDEAL_LIMIT, False, 22))
+        uploads[(row.scenario, row.method)] = row.sent_over_state
+    for (scenario, method), sent in uploads.items():
+        targets.append(Target(scenario, f"{method} source upload / state", sent, _MIXED_UPLOAD_LIMIT, False, 22))
     return targets
 
 
@@ -94,7 +159,7 @@ def _issue16_targets(results: Sequence[ScenarioResult]) -> list[Target]:
     targets: list[Target] = []
     for result in results:
         scenario = result.scenario
-        if scenario.lab is not None or scenario.total_bytes < 64 << 20:
+        if scenario.lab is not None or scenario.total_bytes < 64 << 20 or scenario.layout != UNIFORM:
             continue
         several = scenario.receivers > 1
         checks: tuple[tuple[str, str, float], ...]
@@ -161,3 +226,58 @@ def _issue4_targets(results: Sequence[ScenarioResult]) -> list[Target]:
                 if entry is not None:
                     add(name, f"{method} median recv, ms", entry.slowest_s * 1000, 5.0, higher=False)
     return targets
+
+
+# Issue 24 (large states), one receiver on loopback: (method, anchor, minimum speed ratio) by kind of state.
+_LARGE_UNIFORM = (("zmq-fresh", "http-4", 1.1), ("zmq-inplace", "http-4", 1.5))
+_LARGE_SHAPED = (("zmq-fresh", "http-4", 1.2), ("zmq-inplace", "http-4", 1.5))
+LARGE_BYTES = 3 << 30  # "large": from 3 GiB on
+_GROWTH_LIMIT = 1.25  # seconds per GiB at the largest size / at the smallest, where plain TCP grows less
+_OVER_STATE_MIB = 64  # a fresh receiver's peak RSS growth beyond the state it receives
+_SENDER_MIB = 64  # the sender's peak RSS growth (zero copy: nothing)
+
+
+def _issue24_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Large states: speed against HTTPTransport(num_chunks=4), memory, and growth with size."""
+    targets: list[Target] = []
+    mib = float(1 << 20)
+    for result in results:
+        scenario = result.scenario
+        if scenario.lab is not None or scenario.receivers != 1 or scenario.total_bytes < LARGE_BYTES:
+            continue
+        checks = _LARGE_UNIFORM if scenario.layout == UNIFORM else _LARGE_SHAPED
+        for method, anchor, limit in checks:
+            entry = result.summary.get(method)
+            if entry is not None and anchor in entry.ratios:
+                targets.append(
+                    Target(scenario.name, f"{method} speed / {anchor}", entry.ratios[anchor], limit, True, 24)
+                )
+        fresh = result.summary.get("zmq-fresh")
+        if fresh is not None:
+            over = (fresh.recv_rss_max - scenario.total_bytes) / mib
+            text = "zmq-fresh receiver peak RSS growth beyond the state, MiB"
+            targets.append(Target(scenario.name, text, over, _OVER_STATE_MIB, False, 24))
+        for method in ("zmq-fresh", "zmq-inplace"):
+            entry = result.summary.get(method)
+            if entry is not None:
+                text = f"{method} sender peak RSS growth, MiB"
+                targets.append(Target(scenario.name, text, entry.send_rss_max / mib, _SENDER_MIB, False, 24))
+    return targets + _growth_targets(results)
+
+
+def _growth_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """zmq-fresh's seconds per GiB at the largest size over the smallest: within 1.25, or no worse than plain TCP's."""
+    series = growth_series(results)
+    if not series or not all("zmq-fresh" in r.summary for r in series):
+        return []
+    first, last = series[0], series[-1]
+
+    def growth(method: str) -> float:
+        return seconds_per_gib(last, method) / seconds_per_gib(first, method)
+
+    limit = _GROWTH_LIMIT
+    text = f"zmq-fresh seconds per GiB, {last.scenario.name} / {first.scenario.name}"
+    if all("tcp-fresh" in r.summary for r in series) and growth("tcp-fresh") > limit:
+        limit = growth("tcp-fresh")
+        text += " (limit: tcp-fresh's growth, above 1.25)"
+    return [Target(last.scenario.name, text, growth("zmq-fresh"), limit, False, 24)]

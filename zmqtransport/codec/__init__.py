@@ -13,7 +13,7 @@ The receiver validates the skeleton and the table before any tensor byte arrives
 rebuilds the object (:func:`.skeleton.build_tree`). DTensor specs travel as plain
 values too (:mod:`.dtensor`).
 
-Imports run one way: :mod:`.dtypes` and :mod:`.paths` import nothing from the
+Imports run one way: :mod:`.dtypes` and :mod:`.keypaths` import nothing from the
 package; :mod:`.tensors` and :mod:`.dtensor` import only those (and errors);
 :mod:`.skeleton` imports them all. Nothing here imports sockets or threads.
 """

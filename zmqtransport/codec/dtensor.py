@@ -59,7 +59,7 @@ import torch
 
 from ..errors import ProtocolError
 from .dtypes import DTYPES, dtype_name
-from .paths import KeyPath, format_path
+from .keypaths import KeyPath, format_path
 
 # Bounds on what a peer may describe. A real mesh has a handful of dims and at
 # most a few hundred thousand ranks; anything beyond is refused before allocation.

@@ -37,7 +37,7 @@ import torch
 from ..errors import ProtocolError
 from .dtensor import dtensor_type, encode_spec, validate_spec
 from .dtypes import DTYPES, dtype_name
-from .paths import KeyPath, format_path
+from .keypaths import KeyPath, format_path
 from .tensors import EncodedTree, int_list
 
 # Skeleton node tags. A msgpack array in the skeleton is always a tagged node, so

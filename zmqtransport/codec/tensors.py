@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ProtocolError
 from .dtypes import DTYPES, dtype_name
-from .paths import KeyPath, format_path
+from .keypaths import KeyPath, format_path
 
 
 @dataclass

@@ -49,7 +49,7 @@ unstager). This package exports what the sending and receiving sides use.
 from __future__ import annotations
 
 from .engines import CPU, CopyEngine, CopyEvent, CudaCopyEngine, capture_marker, cuda_engine, pinned_buffer
-from .recv import Landing, RecvUnstager
+from .recv import RecvUnstager, UnstageTarget
 from .ring import PinnedRing, Slot, Tracker
 from .send import SendPlan, SendStager, prepare_send
 from .staging import (
@@ -58,7 +58,6 @@ from .staging import (
     can_fill,
     fresh_device,
     fresh_storage,
-    landing_bytes,
     storage_bytes,
     tensor_bytes,
 )
@@ -69,7 +68,6 @@ __all__ = [
     "CopyEvent",
     "CudaCopyEngine",
     "DeviceStaging",
-    "Landing",
     "PinnedRing",
     "RecvKit",
     "RecvUnstager",
@@ -77,12 +75,12 @@ __all__ = [
     "SendStager",
     "Slot",
     "Tracker",
+    "UnstageTarget",
     "can_fill",
     "capture_marker",
     "cuda_engine",
     "fresh_device",
     "fresh_storage",
-    "landing_bytes",
     "pinned_buffer",
     "prepare_send",
     "storage_bytes",

@@ -14,8 +14,8 @@ from .ring import PinnedRing, Slot, one_event
 from .staging import DeviceStaging, RecvKit
 
 
-class Landing(Protocol):
-    """What the unstager needs of a receive destination (``landed.Destination``)."""
+class UnstageTarget(Protocol):
+    """What the unstager needs of a receive destination (``fetch.landed.Destination``)."""
 
     view: memoryview  # host destination: written directly
     device_bytes: torch.Tensor | None  # staged destination: flat uint8 on its device
@@ -31,25 +31,25 @@ class RecvUnstager:
     to the destinations, and the next message is received while they run.
     """
 
-    def __init__(self, staging: DeviceStaging, kit: RecvKit, landings: Sequence[Landing]) -> None:
+    def __init__(self, staging: DeviceStaging, kit: RecvKit, targets: Sequence[UnstageTarget]) -> None:
         self._staging = staging
         self._kit = kit
-        self._landings = landings
-        self._staged = [landing.device_bytes is not None for landing in landings]
+        self._targets = targets
+        self._staged = [target.device_bytes is not None for target in targets]
         self._current: Slot | None = None
         self._inflight: deque[Slot] = deque()  # released slots, oldest copy first
         self._closed = False
 
     @classmethod
-    def borrow(cls, staging: DeviceStaging, landings: Sequence[Landing]) -> RecvUnstager | None:
-        """An unstager for a receive into ``landings``, or None when none is device memory."""
-        if not any(landing.device_bytes is not None for landing in landings):
+    def borrow(cls, staging: DeviceStaging, targets: Sequence[UnstageTarget]) -> RecvUnstager | None:
+        """An unstager for a receive into ``targets``, or None when none is device memory."""
+        if not any(target.device_bytes is not None for target in targets):
             return None
-        unstager = cls(staging, staging.borrow(), landings)
+        unstager = cls(staging, staging.borrow(), targets)
         try:
             # In-place targets may still be written by kernels the caller queued:
             # the side streams wait for them before overwriting.
-            for device in {lb.device for lb in (d.device_bytes for d in landings) if lb is not None}:
+            for device in {lb.device for lb in (t.device_bytes for t in targets) if lb is not None}:
                 unstager._engine(device).after_current()
         except BaseException:
             unstager.close()  # the caller never sees it: give the kit back here
@@ -102,11 +102,11 @@ class RecvUnstager:
         pairs: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for piece in pieces:
             end = at + piece.length
-            landing = self._landings[piece.storage]
-            target = landing.device_bytes
+            destination = self._targets[piece.storage]
+            target = destination.device_bytes
             if target is None:
                 # A host storage packed with staged ones: copy it now.
-                landing.view[piece.start : piece.start + piece.length] = slot.view(end)[at:end]
+                destination.view[piece.start : piece.start + piece.length] = slot.view(end)[at:end]
             else:
                 pair = (target[piece.start : piece.start + piece.length], slot.buffer[at:end])
                 pairs.setdefault(target.device, []).append(pair)

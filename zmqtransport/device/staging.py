@@ -109,11 +109,6 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.set_(tensor.untyped_storage(), start, (tensor.numel() * itemsize,), (1,))
 
 
-def landing_bytes(tensor: torch.Tensor, staging: DeviceStaging) -> torch.Tensor | None:
-    """The flat bytes of a receive destination whose data goes through bounce buffers, else None."""
-    return tensor_bytes(tensor) if staging.stages(tensor.device) else None
-
-
 def fresh_storage(nbytes: int, device: torch.device) -> torch.Tensor:
     """Fresh uint8 memory for one received storage on a staged device."""
     return torch.empty(nbytes, dtype=torch.uint8, device=device)

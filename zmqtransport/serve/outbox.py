@@ -15,7 +15,7 @@ from ..stats import TransferStats
 from .router import Router
 from .scheduler import Abort, Action, Finish, Key, Refuse, Scheduler, SendHeader, Transfer
 
-logger = logging.getLogger("zmqtransport.sender")
+logger = logging.getLogger("zmqtransport.serve")
 
 SENT_HISTORY = 256  # finished sends remembered for sent_since()
 
@@ -65,7 +65,7 @@ class Outbox:
         for action in actions:
             match action:
                 case SendHeader():
-                    envelope = wire.header_envelope(action.xfer, action.stage_id, action.relay)
+                    envelope = wire.header_envelope(action.xfer, action.stage_id, action.relay, action.digest)
                     if not self._router.send(action.peer, [envelope, action.header_body]):
                         undelivered.add(action.key)
                         self._scheduler.undelivered(action, time.monotonic())

@@ -14,12 +14,13 @@ import zmq
 
 from .. import wire
 from ..device import SendStager
+from ..relayed import RelayStopped
+from .digests import envelope_digest
 from .frames import HeldFrames
-from .relays import RelayStopped
 from .router import Router
 from .scheduler import Action, Scheduler, Transfer
 
-logger = logging.getLogger("zmqtransport.sender")
+logger = logging.getLogger("zmqtransport.serve")
 
 BATCH = 64  # data messages per call before the poller is checked again
 STAGING_WAIT = 0.002  # seconds to wait for a device copy when no transfer can send
@@ -77,7 +78,8 @@ class DataPump:
             except RelayStopped:
                 self._scheduler.drop(transfer)  # the relay's receive returned; stop_relay tells its receiver
                 return []
-        envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload))
+        digest = envelope_digest(transfer, seq, payload)
+        envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload), digest)
         try:
             # Every frame is tracked: its release tells that the receiver takes data.
             tracker = self._router.send_data(transfer.peer, envelope, payload, track=True)

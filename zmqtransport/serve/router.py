@@ -16,7 +16,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .. import sockets, wire
 
-logger = logging.getLogger("zmqtransport.sender")
+logger = logging.getLogger("zmqtransport.serve")
 
 # Small data frames are copied by pyzmq anyway; keep libzmq's per-peer queue far
 # above what credit allows so a send never hits the high-water mark.

@@ -18,9 +18,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import wire
-from .relays import Chain, Relayed
-from .staged import Staged
+from .. import digests, wire
+from ..relayed import Relayed
+from .chain import Chain
+from .staged import Served, Staged
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
 
@@ -32,6 +33,9 @@ class Limits:
     transfers_per_peer: int = 4
     transfers: int = 64
     parked: int = 256
+    # Digest requests (small, answered within a few rounds) have bounds of their own.
+    digests_per_peer: int = 16
+    digests: int = 256
     # After a forced rebind, how long a parked request whose receiver has not
     # reconnected yet is kept for another try (DEALERs reconnect every 100 ms).
     rebind_grace: float = 5.0
@@ -54,13 +58,21 @@ RELAY_REGISTER_GRACE = 2.0
 REPARKED_RETRY = 0.02
 
 
+@dataclass(frozen=True)
+class Hashing:
+    """A transfer hashes each message it sends (:mod:`.digests`); ``inline``: the digest goes in its envelope."""
+
+    algorithm: digests.Algorithm
+    inline: bool
+
+
 @dataclass
 class Transfer:
     """One receiver's running fetch of the staged step."""
 
     peer: bytes
     xfer: int
-    staged: Staged | Relayed  # what it sends: the staged step, or a step this side relays
+    staged: Served  # what it sends: the staged step, or a step this side relays (Relayed)
     credit: int
     address: str
     started: float
@@ -68,6 +80,9 @@ class Transfer:
     next_seq: int = 0
     stop: int = -1  # one past the last data message to send; -1: the whole plan
     span: bool = False  # a span fetch (part of a striped receive): no header was sent
+    hashing: Hashing | None = None
+    # A digest request: answered with the span's digests (serve.digests.DigestWork), no data.
+    digests_only: bool = False
 
     def __post_init__(self) -> None:
         self.first = self.next_seq
@@ -84,7 +99,7 @@ class Transfer:
 
     @property
     def sendable(self) -> bool:
-        return self.credit > 0 and not self.done and self.staged.available(self.next_seq)
+        return self.credit > 0 and not self.done and not self.digests_only and self.staged.available(self.next_seq)
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,7 @@ class SendHeader:
     parked: Parked | None  # the parked request this starts, if any
     stage_id: int | None = None  # the staging's id (announces that span fetches are served)
     relay: wire.RelayOrder | None = None  # for a receiver that offered to relay
+    digest: str | None = None  # for a receiver that offered to verify: the algorithm of its digests
 
     @property
     def key(self) -> Key:
@@ -174,8 +190,7 @@ class Scheduler:
         self.transfers: dict[Key, Transfer] = {}
         self.parked: list[Parked] = []
         self.chain = Chain()  # receivers of the staged step that offered to relay
-        self.relays: dict[bytes, Relayed] = {}  # steps this side relays, by token
-        self.relay_parked: list[Parked] = []  # span fetches for a token not registered (yet)
+        self.relaying = RelayedSteps(self.limits.parked)  # steps this side relays (as a receiver)
         self._rebound_at = float("-inf")
 
     # ------------------------------------------------------------------ events
@@ -212,6 +227,12 @@ class Scheduler:
             return []
         if key in self.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
+        if request.digests_only:  # computed by serve.digests.DigestWork
+            started = digest_transfer(peer, request, address, now, self.staged, self.transfers, self.limits)
+            if isinstance(started, Refuse):
+                return [started]
+            self.transfers[key] = started
+            return []
         if request.token is not None:
             return self._start_relayed(peer, request, address, now)
         if self.staged is None and request.span is not None:
@@ -253,8 +274,7 @@ class Scheduler:
         for transfer in gone:
             del self.transfers[transfer.key]
         self.chain.left(peer)
-        for relayed in self.relays.values():
-            relayed.peers.discard(peer)  # that downstream's receive has ended
+        self.relaying.left(peer)
         return gone
 
     def rebound(self, now: float) -> None:
@@ -266,17 +286,14 @@ class Scheduler:
 
         Span fetches that came for that token before it was registered start now.
         """
-        self.relays[relayed.token] = relayed
-        early = [p for p in self.relay_parked if p.request.token == relayed.token]
-        self.relay_parked = [p for p in self.relay_parked if p.request.token != relayed.token]
         actions: list[Action] = []
-        for parked in early:
+        for parked in self.relaying.register(relayed):
             actions += self._start_relayed(parked.peer, parked.request, parked.address, now)
         return actions
 
     def stop_relay(self, token: bytes) -> list[Action]:
         """Stop relaying: its running transfers end ``not_relaying`` (their receivers fetch elsewhere)."""
-        relayed = self.relays.pop(token, None)
+        relayed = self.relaying.steps.pop(token, None)
         aborts: list[Action] = []
         for transfer in list(self.transfers.values()):
             if transfer.staged is relayed:
@@ -307,12 +324,9 @@ class Scheduler:
             # Only requests re-parked by undelivered after a forced rebind wait
             # while a step is staged: retry them now that their peer may be back.
             actions += self._retry_parked(now)
-        late = [p for p in self.relay_parked if p.deadline <= now]
-        if late:
-            self.relay_parked = [p for p in self.relay_parked if p.deadline > now]
-            for parked in late:
-                message = "this receiver relays nothing under that token"
-                actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_RELAYING, message))
+        for parked in self.relaying.late(now):
+            message = "this receiver relays nothing under that token"
+            actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_RELAYING, message))
         expired = [p for p in self.parked if p.deadline <= now]
         if expired:
             self.parked = [p for p in self.parked if p.deadline > now]
@@ -320,8 +334,12 @@ class Scheduler:
                 message = f"no checkpoint was staged for step {parked.request.step} in time"
                 actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_STAGED, message))
         for transfer in list(self.transfers.values()):
-            if transfer.credit == 0 and now - transfer.last_progress > self.stall:
+            # A digest request waits only for device memory, hashed as the pump sends it.
+            waiting = transfer.credit == 0 or transfer.digests_only
+            if waiting and now - transfer.last_progress > self.stall:
                 message = f"receiver granted no credit and took no data for {self.stall:.1f} s"
+                if transfer.digests_only:
+                    message = f"no digest of message {transfer.next_seq} came within {self.stall:.1f} s"
                 actions.append(self._abort(transfer, wire.ERR_STALLED, message))
         return actions
 
@@ -330,12 +348,10 @@ class Scheduler:
         actions: list[Action] = []
         for transfer in list(self.transfers.values()):
             actions.append(self._abort(transfer, wire.ERR_SHUTDOWN, "the serving transport is shutting down"))
-        for parked in (*self.parked, *self.relay_parked):
+        for parked in (*self.parked, *self.relaying.clear()):
             actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_SHUTDOWN, "shutting down"))
         self.parked = []
-        self.relay_parked = []
         self.staged = None
-        self.relays.clear()
         return actions
 
     def wakeup_in(self, now: float) -> float:
@@ -344,7 +360,7 @@ class Scheduler:
             return 0.0
         if self.staged is not None and self.parked:
             return REPARKED_RETRY
-        deadlines = [p.deadline for p in (*self.parked, *self.relay_parked)]
+        deadlines = [p.deadline for p in (*self.parked, *self.relaying.waiting)]
         deadlines += [t.last_progress + self.stall for t in self.transfers.values()]
         if not deadlines:
             return IDLE_WAKEUP
@@ -369,15 +385,21 @@ class Scheduler:
             return [refusal]
         if request.span is not None:
             return self._start_span(peer, request, address, now, staged)
+        algorithm = digests.choose(request.verify)
         order = None
         if request.relay is not None and (self.relay_loopback or not is_loopback(address)):
-            order = self.chain.join(peer, request.relay, self.make_token())
+            # Only a receiver that verifies (offered an algorithm this side has) may be sent to a relay.
+            order = self.chain.offer(peer, request.relay, address, self.make_token(), follows=algorithm is not None)
         # A receiver sent to a relay gets the header alone: it asks the relay for the data.
         header_only = request.header_only or (order is not None and order.upstream is not None)
-        header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order)
+        digest = algorithm.name if algorithm is not None else None
+        header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest)
         if header_only:
             return [header]
-        transfer = Transfer(peer, request.xfer, staged, request.credit, address, started=now, last_progress=now)
+        hashing = transfer_hashing(request, staged, relays=order is not None)
+        transfer = Transfer(
+            peer, request.xfer, staged, request.credit, address, started=now, last_progress=now, hashing=hashing
+        )
         self.transfers[transfer.key] = transfer
         if transfer.done:  # nothing to send: only the header and the end
             del self.transfers[transfer.key]
@@ -387,33 +409,34 @@ class Scheduler:
     def _start_relayed(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
         """A span fetch to this side as a relay: served from the step it is receiving, as it lands."""
         assert request.token is not None and request.span is not None  # wire.decode_request
-        relayed = self.relays.get(request.token)
+        relayed = self.relaying.steps.get(request.token)
         if relayed is None:
             # The source may have sent a downstream here before this receiver,
             # busy parsing the same header, registered the token: wait a little.
-            if len(self.relay_parked) >= self.limits.parked:
+            if not self.relaying.wait(Parked(peer, request, now + RELAY_REGISTER_GRACE, address)):
                 return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")]
-            self.relay_parked.append(Parked(peer, request, now + RELAY_REGISTER_GRACE, address))
             return []
         if request.step != relayed.step or request.stage != relayed.stage_id:
             return [Refuse(peer, request.xfer, wire.ERR_WRONG_STEP, f"this receiver relays step {relayed.step}")]
         if request.span[1] > relayed.messages:
             return [Refuse(peer, request.xfer, wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the plan")]
-        if sum(1 for key in self.transfers if key[0] == peer) >= self.limits.transfers_per_peer:
+        if self._data_transfers(peer) >= self.limits.transfers_per_peer:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many transfers from this peer")]
-        if len(self.transfers) >= self.limits.transfers:
+        if self._data_transfers() >= self.limits.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
         relayed.served = True
         relayed.peers.add(peer)
         return self._start_span(peer, request, address, now, relayed)
 
     def _start_span(
-        self, peer: bytes, request: wire.Request, address: str, now: float, staged: Staged | Relayed
+        self, peer: bytes, request: wire.Request, address: str, now: float, staged: Served
     ) -> list[Action]:
         """A span fetch: its data messages, then ``end``; no header (the receiver has it)."""
         assert request.span is not None
         first, stop = request.span
         transfer = Transfer(peer, request.xfer, staged, request.credit, address, now, now, first, stop, span=True)
+        if isinstance(staged, Staged):
+            transfer.hashing = transfer_hashing(request, staged, relays=False)
         self.transfers[transfer.key] = transfer
         return []
 
@@ -421,22 +444,22 @@ class Scheduler:
         code, message = self._refusal_reason(peer, request, staged)
         return None if code is None else Refuse(peer, request.xfer, code, message, parked)
 
+    def _data_transfers(self, peer: bytes | None = None) -> int:
+        """Transfers (of ``peer``, or all) that send data: digest requests have bounds of their own."""
+        return sum(1 for t in self.transfers.values() if not t.digests_only and peer in (None, t.peer))
+
     def _refusal_reason(self, peer: bytes, request: wire.Request, staged: Staged) -> tuple[str | None, str]:
-        if request.step != staged.step:
-            return wire.ERR_WRONG_STEP, f"requested step {request.step} but this peer serves step {staged.step}"
-        if request.span is not None:
-            if request.stage != staged.stage_id:
-                return wire.ERR_WRONG_STEP, f"step {staged.step} was staged again since the header was sent"
-            if request.span[1] > staged.messages:
-                return wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the {staged.messages} data messages"
+        code, message = span_refusal(request, staged)
+        if code is not None:
+            return code, message
         if staged.tree.has_pickle and not request.accept_pickle:
             message = f"step {staged.step} holds pickled objects and the receiver does not accept pickle"
             return wire.ERR_PICKLE, message
         # Checked here, not when a request is parked: requests parked while
         # nothing was staged all start at once when a step is staged.
-        if sum(1 for key in self.transfers if key[0] == peer) >= self.limits.transfers_per_peer:
+        if self._data_transfers(peer) >= self.limits.transfers_per_peer:
             return wire.ERR_BUSY, "too many transfers from this peer"
-        if len(self.transfers) >= self.limits.transfers:
+        if self._data_transfers() >= self.limits.transfers:
             return wire.ERR_BUSY, "too many concurrent transfers"
         return None, ""
 
@@ -453,3 +476,114 @@ def is_loopback(address: str) -> bool:
         return False
     mapped = getattr(ip, "ipv4_mapped", None)
     return bool((mapped or ip).is_loopback)
+
+
+def span_refusal(request: wire.Request, staged: Staged) -> tuple[str | None, str]:
+    """Why a fetch of ``staged`` (a span fetch: its staging and its span too) is refused, if it is."""
+    if request.step != staged.step:
+        return wire.ERR_WRONG_STEP, f"requested step {request.step} but this peer serves step {staged.step}"
+    if request.span is not None:
+        if request.stage != staged.stage_id:
+            return wire.ERR_WRONG_STEP, f"step {staged.step} was staged again since the header was sent"
+        if request.span[1] > staged.messages:
+            return wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the {staged.messages} data messages"
+    return None, ""
+
+
+def transfer_hashing(request: wire.Request, staged: Staged, relays: bool) -> Hashing | None:
+    """Whether a transfer of ``staged`` hashes what it sends (:class:`Hashing`).
+
+    Inline digests when the receiver asked; and the messages sent to a relay
+    of a staging in device memory, whose digests its downstream will ask for
+    and which digest requests cannot read (serve.digests).
+    """
+    algorithm = digests.choose(request.verify)
+    if algorithm is None:
+        return None
+    if request.inline:
+        return Hashing(algorithm, inline=True)
+    if relays and staged.device_plan is not None:
+        return Hashing(algorithm, inline=False)
+    return None
+
+
+def digest_transfer(
+    peer: bytes,
+    request: wire.Request,
+    address: str,
+    now: float,
+    staged: Staged | None,
+    transfers: dict[Key, Transfer],
+    limits: Limits,
+) -> Transfer | Refuse:
+    """A digest request (``digests_only``) of ``staged``: the transfer that answers it, or its refusal."""
+    algorithm = digests.choose(request.verify)
+    code, message = _digest_refusal(peer, request, staged, transfers, limits)
+    if code is not None or staged is None or algorithm is None or request.span is None:
+        return Refuse(peer, request.xfer, code or wire.ERR_BAD_REQUEST, message)
+    first, stop = request.span
+    transfer = Transfer(peer, request.xfer, staged, 1, address, now, now, first, stop, span=True)
+    transfer.hashing, transfer.digests_only = Hashing(algorithm, inline=False), True
+    return transfer
+
+
+def _digest_refusal(
+    peer: bytes, request: wire.Request, staged: Staged | None, transfers: dict[Key, Transfer], limits: Limits
+) -> tuple[str | None, str]:
+    if staged is None:
+        return wire.ERR_DISALLOWED, f"step {request.step} is no longer served"
+    code, message = span_refusal(request, staged)
+    if code is not None:
+        return code, message
+    if digests.choose(request.verify) is None:
+        return wire.ERR_BAD_REQUEST, f"no digest algorithm in common (this side has {digests.offered()})"
+    running = [t for t in transfers.values() if t.digests_only]
+    if sum(1 for t in running if t.peer == peer) >= limits.digests_per_peer:
+        return wire.ERR_BUSY, "too many digest requests from this peer"
+    if len(running) >= limits.digests:
+        return wire.ERR_BUSY, "too many digest requests"
+    return None, ""
+
+
+class RelayedSteps:
+    """The steps this side relays (its receives, served onward: :class:`Relayed`), by token.
+
+    Also the span fetches that came for a token not registered yet: they wait
+    (:data:`RELAY_REGISTER_GRACE`) for it. Pure; the scheduler owns it.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.steps: dict[bytes, Relayed] = {}
+        self.waiting: list[Parked] = []
+        self.limit = limit
+
+    def register(self, relayed: Relayed) -> list[Parked]:
+        """Serve ``relayed``; returns the span fetches that waited for its token (forgotten here)."""
+        self.steps[relayed.token] = relayed
+        early = [p for p in self.waiting if p.request.token == relayed.token]
+        self.waiting = [p for p in self.waiting if p.request.token != relayed.token]
+        return early
+
+    def wait(self, parked: Parked) -> bool:
+        """A span fetch waits for its token until ``parked.deadline``; False when too many wait already."""
+        if len(self.waiting) >= self.limit:
+            return False
+        self.waiting.append(parked)
+        return True
+
+    def late(self, now: float) -> list[Parked]:
+        """The span fetches whose wait has ended (forgotten here)."""
+        late = [p for p in self.waiting if p.deadline <= now]
+        self.waiting = [p for p in self.waiting if p.deadline > now]
+        return late
+
+    def left(self, peer: bytes) -> None:
+        """The connection of ``peer`` closed: that downstream's receive has ended."""
+        for relayed in self.steps.values():
+            relayed.peers.discard(peer)
+
+    def clear(self) -> list[Parked]:
+        """Relay nothing any more; returns the span fetches that were waiting."""
+        waiting, self.waiting = self.waiting, []
+        self.steps.clear()
+        return waiting

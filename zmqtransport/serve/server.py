@@ -36,17 +36,18 @@ import zmq
 from .. import wire
 from ..device import DeviceStaging, SendStager
 from ..errors import ProtocolError
+from ..relayed import Relayed
 from ..stats import TransferStats
+from .digests import DigestWork
 from .frames import HeldFrames
 from .outbox import Outbox, SentLog
 from .pump import DataPump
-from .relays import Relayed
 from .router import Configure, Router
 from .scheduler import Refuse, Scheduler
 from .staged import Staged
 
-# The sending side logs under one name, as it did before it was split in modules.
-logger = logging.getLogger("zmqtransport.sender")
+# The sending side logs under one name (the receiving side: "zmqtransport.fetch").
+logger = logging.getLogger("zmqtransport.serve")
 
 # Seconds.
 DISALLOW_POLL = 0.005  # how often a waiting disallow checks the zero-copy frames
@@ -162,6 +163,8 @@ class Server:
         # thread alone uses it, its side streams included (device/).
         self._stager = SendStager(staging if staging is not None else DeviceStaging())
         self._pump = DataPump(self._scheduler, self._router, self._stager, self._held)
+        self._digests = DigestWork(self._scheduler, self._router)
+        self._hashing_due = False  # digest requests have bytes left to hash now
         self._sent = SentLog()
         self._outbox = Outbox(self._router, self._scheduler, self._sent)
         self._stopping = False
@@ -261,6 +264,7 @@ class Server:
                 if self._router.socket in events:
                     self._read_requests()
                 self._outbox.execute(self._pump.run())
+                self._hashing_due = self._digests.run()
                 if self._housekeeping():
                     poller = self._poller()  # the socket was rebuilt
         except Exception:
@@ -270,7 +274,7 @@ class Server:
 
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
-        seconds = self._scheduler.wakeup_in(now)
+        seconds = 0.0 if self._hashing_due else self._scheduler.wakeup_in(now)
         held = self._held.wakeup_in(now)
         if held is not None:
             seconds = min(seconds, held)
@@ -363,6 +367,3 @@ class Server:
             logger.exception("zmqtransport: synchronising device copies at shutdown failed")
         self._held.release_waiters()
         self._wake.close()
-
-
-__all__ = ["Server", "Staged"]

@@ -10,7 +10,7 @@ import ctypes
 import random
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import wire
 from ..codec.skeleton import encode_tree
@@ -19,6 +19,41 @@ from ..device import prepare_send
 if TYPE_CHECKING:
     from ..codec.tensors import EncodedTree
     from ..device import DeviceStaging, SendPlan
+
+
+class Served(Protocol):
+    """What a transfer sends from: a staged step (:class:`Staged`) or a step this side relays.
+
+    The scheduler and the data pump read only this, so a relayed step
+    (:class:`zmqtransport.relayed.Relayed`) is served by the same machinery.
+    """
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def messages(self) -> int: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+    @property
+    def tensor_count(self) -> int: ...
+
+    @property
+    def device_plan(self) -> SendPlan | None: ...
+
+    def available(self, seq: int) -> bool:
+        """Whether data message ``seq`` can be sent now (a relay's only once it has landed)."""
+        ...
+
+    def span_bytes(self, first: int, stop: int) -> int: ...
+
+    def payload(self, seq: int) -> tuple[Any, bool]:
+        """The bytes of data message ``seq``, and whether they reference the served memory (zero-copy)."""
+        ...
+
+    def crc(self, seq: int, payload: Any) -> int | None: ...
 
 
 def stage(
@@ -74,6 +109,8 @@ class Staged:
     # Names this staging in span fetches: a span asked of an earlier staging of
     # the same step (re-staged in between, maybe with other bytes) is refused.
     stage_id: int = field(default_factory=lambda: random.getrandbits(63))
+    # Digests of the data messages, by algorithm name, each computed once (serve.digests).
+    digests: dict[str, list[bytes | None]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:

@@ -15,7 +15,12 @@ again on a live one, and whichever copy of a message lands first counts
 both copies come from the same staging). A stream declared lost gives its
 unfinished spans back to the queue.
 
-:class:`SpanBook` is pure (explicit ``now``, no zmq); ``zmqtransport.striped``
+A message from a stream that is not trusted (a relay) is *held* when it
+arrives: asked for by nobody else, but not landed until the receive has
+checked it against the source's digest (:mod:`.verify`); then it is
+:meth:`SpanBook.verified`, or :meth:`SpanBook.rejected` and asked for again.
+
+:class:`SpanBook` is pure (explicit ``now``, no zmq); :mod:`.striped`
 carries its decisions out on the sockets.
 """
 
@@ -40,7 +45,16 @@ QUIET_FIRST = 0.5  # seconds: a stream that has delivered nothing yet
 # A standby stream (the source, while relays serve this receive) takes over a
 # primary's span only after this much silence: a relay waits for its own
 # upstream at times, and every takeover is an upload the source was spared.
+# A relay that has delivered nothing yet is waited for QUIET_FIRST only: its
+# upstream's first message takes one message time on its link (21 ms for
+# 1 MiB at 400 Mbit/s), and a relay that never sends costs its downstream
+# this wait before the source steps in (docs/protocol.md, "Relays").
 STANDBY_QUIET = 1.0
+
+# A message's state in SpanBook.landed.
+MISSING = 0
+LANDED = 1
+HELD = 2  # arrived from a stream that is not trusted; waits to be checked
 
 
 @dataclass
@@ -53,7 +67,11 @@ class Span:
     stop: int
     next: int  # the next message this span's stream will deliver
     opened: float  # when it was asked for
-    taken_over: bool = False  # another stream was asked for its rest
+    taken_at: float | None = None  # when another stream was asked for its rest (None: never)
+
+    @property
+    def taken_over(self) -> bool:
+        return self.taken_at is not None
 
     @property
     def finished(self) -> bool:
@@ -86,8 +104,9 @@ class SpanBook:
             raise ValueError("a span book needs messages >= 0, streams >= 1, span >= 1, depth >= 1")
         self.depth = depth
         self.queue: deque[tuple[int, int]] = deque((at, min(at + span, messages)) for at in range(0, messages, span))
-        self.landed = bytearray(messages)  # 1 once message seq has arrived (its landing under way)
-        self.missing = messages
+        # Per message: MISSING, HELD (arrived, waiting to be checked) or LANDED.
+        self.landed = bytearray(messages)
+        self.missing = messages  # messages not LANDED
         self.spans: dict[int, Span] = {}  # outstanding, by transfer id
         self._streams = [_Stream(standby=index in standby) for index in range(streams)]
         self._prefix = 0
@@ -100,7 +119,7 @@ class SpanBook:
 
     def prefix(self) -> int:
         """How many messages from the first on have all landed."""
-        while self._prefix < len(self.landed) and self.landed[self._prefix]:
+        while self._prefix < len(self.landed) and self.landed[self._prefix] == LANDED:
             self._prefix += 1
         return self._prefix
 
@@ -134,13 +153,14 @@ class SpanBook:
         victim = self._quiet_span(stream, now, STANDBY_QUIET if standing_by else 0.0)
         if victim is None:
             return None
-        victim.taken_over = True
+        victim.taken_at = now
         return self._open(xfer, stream, self._first_missing(victim.next, victim.stop), victim.stop, now)
 
-    def on_data(self, xfer: int, seq: int, now: float) -> bool | None:
+    def on_data(self, xfer: int, seq: int, now: float, held: bool = False) -> bool | None:
         """A data message arrived. True: land it; False: a duplicate, drop it; None: no such span (cancelled).
 
-        Raises ``ValueError`` for a message out of its span's order.
+        ``held``: it comes from a stream that is not trusted, and counts only
+        once :meth:`verified`. Raises ``ValueError`` for a message out of its span's order.
         """
         span = self.spans.get(xfer)
         if span is None:
@@ -153,11 +173,33 @@ class SpanBook:
             state.gaps += now - state.last_data
             state.messages += 1
         state.last_data = now
-        if self.landed[seq]:
+        if self.landed[seq] != MISSING:
             return False
-        self.landed[seq] = 1
-        self.missing -= 1
+        if held:
+            self.landed[seq] = HELD
+        else:
+            self.landed[seq] = LANDED
+            self.missing -= 1
         return True
+
+    def verified(self, seq: int) -> None:
+        """Held message ``seq`` matched the source's digest: it has landed."""
+        if self.landed[seq] == HELD:
+            self.landed[seq] = LANDED
+            self.missing -= 1
+
+    def rejected(self, seqs: list[int]) -> None:
+        """Held messages not believed (a mismatch, or their stream was dropped): asked for again, first."""
+        runs: list[tuple[int, int]] = []
+        for seq in sorted(seqs):
+            if self.landed[seq] != HELD:
+                continue
+            self.landed[seq] = MISSING
+            if runs and runs[-1][1] == seq:
+                runs[-1] = (runs[-1][0], seq + 1)
+            else:
+                runs.append((seq, seq + 1))
+        self.queue.extendleft(reversed(runs))
 
     def on_end(self, xfer: int) -> list[Span]:
         """A span's ``end`` arrived. Returns the spans now pointless (their messages all landed): cancel them."""
@@ -190,7 +232,7 @@ class SpanBook:
         gone = self.outstanding(stream)
         for span in gone:
             del self.spans[span.xfer]
-            if not span.finished:
+            if not span.finished and not span.taken_over:  # a taken-over span's rest is asked elsewhere
                 self.queue.appendleft((span.next, span.stop))
         return gone
 
@@ -202,6 +244,11 @@ class SpanBook:
         if state.messages == 0:
             return QUIET_FIRST
         return max(QUIET_MIN, QUIET_GAPS * state.gaps / state.messages)
+
+    def idle_since_taken_over(self, span: Span) -> bool:
+        """Whether ``span`` was taken over and its stream has delivered nothing since: it did none of its work."""
+        last = self._streams[span.stream].last_data
+        return span.taken_at is not None and (last is None or last < span.taken_at)
 
     def silent_since(self, span: Span) -> float:
         """Since when ``span``'s stream has delivered nothing (counted from when the span was asked for)."""
@@ -224,9 +271,15 @@ class SpanBook:
         return span
 
     def _first_missing(self, first: int, stop: int) -> int:
-        while first < stop and self.landed[first]:
+        while first < stop and self.landed[first] != MISSING:
             first += 1
         return first
+
+    def _takeover_bound(self, stream: int, at_least: float) -> float:
+        """The silence after which ``stream``'s spans are taken over (``at_least``: a standby's bound)."""
+        if self._streams[stream].last_data is None:
+            at_least = min(at_least, QUIET_FIRST)
+        return max(at_least, self.quiet_after(stream))
 
     def _quiet_span(self, stream: int, now: float, at_least: float) -> Span | None:
         """The unfinished span of another stream that has been quiet longest, if any is quiet enough."""
@@ -238,6 +291,6 @@ class SpanBook:
             if self._first_missing(span.next, span.stop) >= span.stop:
                 continue
             silence = now - self.silent_since(span)
-            if silence >= max(at_least, self.quiet_after(span.stream)) and silence > best_silence:
+            if silence >= self._takeover_bound(span.stream, at_least) and silence > best_silence:
                 best, best_silence = span, silence
         return best

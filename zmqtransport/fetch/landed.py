@@ -1,10 +1,10 @@
-"""A landing plan carried out: each storage's memory, received into, then the object built.
+"""A landing plan carried out: each storage's memory, then the object built from it.
 
-:func:`land` allocates what :func:`zmqtransport.landing.plan_landing` decided
-(in place, in place or fresh through CUDA bounce buffers, the small-tensor
-arena, fresh) and starts faulting fresh memory in; :func:`recv_exact`
-receives a frame into it; :func:`build` makes the received object from the
-skeleton once every byte is in place. No sockets are owned here.
+:func:`land` allocates what :func:`.landing.plan_landing` decided (in place,
+in place or fresh through CUDA bounce buffers, the small-tensor arena, fresh)
+and starts faulting fresh memory in; the data messages are received into it
+(:mod:`.inbox`); :func:`build` makes the received object from the skeleton
+once every byte is in place. Memory only: no sockets here.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import zmq
 
-from . import buffers, landing, wire
-from .codec import dtensor
-from .codec.paths import format_path
-from .codec.skeleton import build_tree
-from .device import fresh_storage, tensor_bytes
-from .errors import IntegrityError, ProtocolError
+from .. import buffers, wire
+from ..codec import dtensor
+from ..codec.skeleton import build_tree
+from ..device import fresh_storage, tensor_bytes
+from . import landing
 
 
 class Destination:
@@ -153,50 +151,6 @@ def _allocate(placement: landing.Placement, arena: buffers.Arena | None) -> Dest
     raise AssertionError(f"unknown placement {placement!r}")
 
 
-def discard_rest(socket: zmq.Socket[Any]) -> None:
-    """Receive and drop the remaining frames of the current message."""
-    while socket.getsockopt(zmq.RCVMORE):
-        socket.recv(copy=False)
-
-
-def expect_no_more(socket: zmq.Socket[Any], what: str) -> None:
-    """The current message must have ended; else drop its extra frames and raise ``ProtocolError``."""
-    if socket.getsockopt(zmq.RCVMORE):
-        discard_rest(socket)
-        raise ProtocolError(f"{what} carries unexpected extra frames")
-
-
-def recv_exact(socket: zmq.Socket[Any], into: memoryview | None, what: str, expected: int) -> memoryview:
-    """Receive the next frame into ``into`` (None: as a zero-copy frame); it must hold ``expected`` bytes."""
-    if into is None:
-        payload = socket.recv(copy=False).buffer
-        received = len(payload)
-    else:
-        payload = into
-        received = socket.recv_into(into)
-    if received != expected:
-        raise ProtocolError(f"{what} has {received} bytes, expected {expected}")
-    return payload
-
-
-
-def integrity_error(
-    parsed: landing.ParsedHeader, seq: int, pieces: list[wire.Piece], endpoint: str, step: int
-) -> IntegrityError:
-    """Name the storages and the tensors (key paths) a corrupted data message carried."""
-    hit = sorted({piece.storage for piece in pieces})
-    names = [
-        format_path(parsed.paths[index])
-        for index, spec in enumerate(parsed.specs)
-        if spec.storage in hit and index in parsed.paths
-    ]
-    more = " ..." if len(names) > 8 else ""
-    return IntegrityError(
-        f"checksum mismatch in data message {seq} from {endpoint} "
-        f"(step {step}): storages {hit}, tensors {', '.join(names[:8]) or 'none'}{more}"
-    )
-
-
 def build(parsed: landing.ParsedHeader, landed: Landed) -> Any:
     """The received object: the skeleton with each tensor leaf where its storage landed."""
     specs = parsed.specs
@@ -241,5 +195,3 @@ def build(parsed: landing.ParsedHeader, landed: Landed) -> Any:
         return dtensor.make_dtensor(plain(index), spec_obj, requires_grad, like=like)
 
     return build_tree(parsed.header.skeleton, leaf, make_dtensor)
-
-

@@ -54,7 +54,7 @@ HEARTBEAT_MARGIN = 1.0
 
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 # A failed connection attempt (another is scheduled): watched only when choosing
-# among several paths (zmqtransport.paths); ConnectionState ignores it.
+# among several paths (.racing); ConnectionState ignores it.
 REFUSAL_EVENTS = zmq.EVENT_CONNECT_RETRIED
 # Monitor endpoints are named by a counter, not by the socket's descriptor
 # (pyzmq's default): a descriptor is reused as soon as a socket is gone, while

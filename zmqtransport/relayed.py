@@ -1,17 +1,12 @@
-"""Relaying (docs/protocol.md, "Relays"): who forwards a staging to whom, and what a relay serves.
+"""A step being received, served onward as it lands (docs/protocol.md, "Relays").
 
-Two sides, both without sockets:
-
-* :class:`Chain`, on the source: the receivers of the staged step that
-  offered to relay, in the order their header requests came. Each newcomer is
-  told to fetch from the newest member still connected, and becomes the
-  newest itself: a chain, so every receiver's uplink carries the state once
-  and the source's carries it about once, pipelined message by message.
-* :class:`Relayed`, on a relay: the step it is receiving, served to its
-  downstream from the memory it has landed so far. It serves a message only
-  once it has landed, sends copies (no frame references the receive's memory
-  after it is sent, so the relay can stop at any moment and hand its memory
-  to its caller), and forwards the source's checksums unchanged.
+Shared ground between the two sides: the receiving side (:mod:`zmqtransport.fetch.relaying`)
+creates a :class:`Relayed` and marks each data message as it lands; the sending
+side's serving thread (:mod:`zmqtransport.serve`) serves span fetches from it.
+It serves a message only once it has landed, sends copies (no frame
+references the receive's memory after it is sent, so the relay can stop at
+any moment and hand its memory to its caller), and forwards the source's
+checksums unchanged.
 """
 
 from __future__ import annotations
@@ -20,45 +15,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .. import wire
-
-# Members one chain remembers (the oldest go first); far above any realistic
-# number of replicas recovering at once from one source.
-MAX_MEMBERS = 1024
-
-
-@dataclass(frozen=True)
-class Member:
-    """A receiver that offered to relay: its header connection, where it serves, its token."""
-
-    peer: bytes
-    at: str
-    token: bytes
-
-
-class Chain:
-    """The source's relay chain for the staged step (pure; the serving thread owns it)."""
-
-    def __init__(self) -> None:
-        self.members: list[Member] = []
-
-    def join(self, peer: bytes, at: str, token: bytes) -> wire.RelayOrder:
-        """A receiver offered to relay: where it fetches from (the newest member), and its own token."""
-        # A receiver asking again (a retry on the same connection) rejoins at the end, never after itself.
-        self.left(peer)
-        upstream = self.members[-1] if self.members else None
-        self.members.append(Member(peer, at, token))
-        del self.members[:-MAX_MEMBERS]
-        if upstream is None:
-            return wire.RelayOrder(token)
-        return wire.RelayOrder(token, upstream.at, upstream.token)
-
-    def left(self, peer: bytes) -> None:
-        """The header connection of ``peer`` closed: it no longer relays (its receive ended)."""
-        self.members = [member for member in self.members if member.peer != peer]
-
-    def clear(self) -> None:
-        self.members = []
+from . import wire
 
 
 class RelayStopped(Exception):

@@ -17,12 +17,12 @@ and keeps the most preferred one that connects:
 * with one connection (``streams=1``) the other DEALERs are closed before the
   request is sent, so the source serves one connection per receive, as with a
   single path; a striped receive keeps them (``connect_first(keep=True)``)
-  and stripes the data over every one that connects (:mod:`zmqtransport.striped`);
+  and stripes the data over every one that connects (:mod:`.striped`);
 * while no path connects the receive keeps waiting (the source may not be
   listening yet, exactly as with one path), until the transfer timeout.
 
 Only a metadata string with more than one path comes here: one path is
-connected to directly, exactly as before paths existed.
+connected to directly: there is nothing to choose.
 
 :class:`PathChoice` is the pure decision; :func:`connect_first` feeds it from
 the DEALERs' socket monitors.
@@ -33,14 +33,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
 
 import zmq
 
-from . import liveness, sockets
-from .net import Path
+from ..net import Path
+from .liveness import SourceWatch
 
 # Seconds a more preferred path that answers nothing holds up a less preferred
 # one that has connected. A reachable path on a LAN connects in well under a
@@ -103,58 +102,42 @@ class PathChoice:
         return ", ".join(states)
 
 
-@dataclass
-class Candidate:
-    """One path's DEALER and the watch on its connection."""
+class Racer(Protocol):
+    """A DEALER taking part in a race (:class:`zmqtransport.fetch.connection.Connection`)."""
 
-    path: Path
-    socket: zmq.Socket[Any]
-    watch: liveness.SourceWatch
+    @property
+    def path(self) -> Path: ...
 
-    def close(self) -> None:
-        self.watch.close()
-        self.socket.close(linger=0)
+    @property
+    def socket(self) -> zmq.Socket[Any]: ...
+
+    @property
+    def watch(self) -> SourceWatch: ...
+
+    def close(self) -> None: ...
 
 
-def open_candidate(
-    context: zmq.Context[Any],
-    path: Path,
-    configure: Callable[[zmq.Socket[Any]], None],
-    stall_timeout: float | None,
-    racing: bool = True,
-) -> Candidate:
-    """A DEALER set up by ``configure`` and watched, not yet connected; nothing stays open if that fails.
-
-    ``racing``: it will take part in :func:`connect_first`, so its watch also
-    reports failed connection attempts (a lone DEALER does without them).
-    """
-    socket = sockets.new_socket(context, zmq.DEALER, configure)
-    try:
-        watch = liveness.SourceWatch(socket, stall_timeout, liveness.REFUSAL_EVENTS if racing else 0)
-    except BaseException:
-        socket.close(linger=0)
-        raise
-    return Candidate(path, socket, watch)
+R = TypeVar("R", bound=Racer)
 
 
 def connect_first(
-    candidates: Sequence[Candidate], deadline: float, bound: float = CONNECT_BOUND, keep: bool = False
-) -> tuple[Candidate | None, list[Candidate], str]:
-    """Connect every candidate and pick one with :class:`PathChoice`.
+    candidates: Sequence[R], deadline: float, bound: float = CONNECT_BOUND, keep: bool = False
+) -> tuple[R | None, list[R], str]:
+    """Connect every candidate (one per path, most preferred first) and pick one with :class:`PathChoice`.
 
     Returns the winner (None if none was chosen by ``deadline``; then every
     candidate is closed), the others kept open (``keep``: every candidate not
     refused while the source listened, in order of preference, for a striped
     receive; they may still be connecting; else none) and a description of
-    each path's fate. A candidate's socket must not be connected yet; the
-    caller owns the winner and the kept ones.
+    each path's fate. A candidate's socket must not be connected yet (its
+    watch must report refusals); the caller owns the winner and the kept ones.
     """
     choice = PathChoice(len(candidates), bound)
     poller = zmq.Poller()
     for candidate in candidates:
         poller.register(candidate.watch.monitor, zmq.POLLIN)
-    winner: Candidate | None = None
-    kept: list[Candidate] = []
+    winner: R | None = None
+    kept: list[R] = []
     try:
         for candidate in candidates:
             candidate.socket.connect(candidate.path.endpoint)

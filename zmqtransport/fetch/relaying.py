@@ -7,9 +7,9 @@ from: the receiver before it. So each receiver:
 
 * fetches its spans from its upstream relay, keeping the source's connection
   as a standby that takes over when the relay is lost, stalls, or stops
-  (:mod:`zmqtransport.striped`, :mod:`zmqtransport.spans`);
+  (:mod:`.striped`, :mod:`.spans`);
 * serves the messages it has landed to its own downstream, through its own
-  transport's ROUTER (:class:`~zmqtransport.serve.relays.Relayed`), copies of
+  transport's ROUTER (:class:`~zmqtransport.relayed.Relayed`), copies of
   the bytes exactly as they landed, with the source's checksums;
 * stops serving before ``recv_checkpoint`` returns: it keeps serving a
   bounded tail (:data:`RELAY_TAIL`) while its downstream still asks, then
@@ -28,10 +28,10 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from . import wire
-from .serve.relays import Relayed
+from .. import wire
+from ..relayed import Relayed
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("zmqtransport.fetch")
 
 # After its own data is complete, a relay keeps serving its downstream at most
 # this long (seconds), and stops as soon as every downstream connection that
@@ -63,13 +63,9 @@ class RelayDuty:
         host.relay(relayed)
 
     @classmethod
-    def start(
-        cls, host: RelayHost | None, order: wire.RelayOrder | None, step: int, stage: int, plan: list[list[wire.Piece]]
-    ) -> RelayDuty | None:
-        """Relay as the source ordered (None: no order or no host). Serves nothing until :meth:`attach`."""
-        if host is None or order is None:
-            return None
-        return cls(host, Relayed(step, stage, order.token, plan))
+    def start(cls, host: RelayHost, token: bytes, step: int, stage: int, plan: list[list[wire.Piece]]) -> RelayDuty:
+        """Relay as the source ordered, under ``token``. Serves nothing until :meth:`attach`."""
+        return cls(host, Relayed(step, stage, token, plan))
 
     def attach(self, views: Sequence[memoryview] | None) -> None:
         """The receive's memory is allocated: serve from it (None: device memory, which is not relayed)."""

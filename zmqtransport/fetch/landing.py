@@ -11,8 +11,8 @@ in-place targets it decides, storage by storage, one :data:`Placement`
 * :class:`Fresh` -- a fresh CPU allocation of its own;
 
 and which fresh memory is worth faulting in ahead of the data
-(:class:`PrefaultRegion`). It allocates nothing: the receive loop
-(:mod:`zmqtransport.receiver`) executes the plan. A storage lands in place only
+(:class:`PrefaultRegion`). It allocates nothing: :mod:`.landed` carries the
+plan out. A storage lands in place only
 when its one tensor matches the target at the same key path exactly (dtype,
 shape, whole contiguous storage, a device this side can fill, and for a
 DTensor shard the same DTensor spec); anything else lands fresh.
@@ -27,13 +27,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import buffers, wire
-from .codec.dtensor import spec_matches
-from .codec.paths import KeyPath
-from .codec.skeleton import index_skeleton, iter_tensor_leaves
-from .codec.tensors import TensorSpec, decode_tensor_table
-from .device import CPU, can_fill
-from .errors import ProtocolError
+from .. import buffers, wire
+from ..codec.dtensor import spec_matches
+from ..codec.keypaths import KeyPath
+from ..codec.skeleton import index_skeleton, iter_tensor_leaves
+from ..codec.tensors import TensorSpec, decode_tensor_table
+from ..device import CPU, can_fill
+from ..errors import ProtocolError
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def _fill_fresh(
             if huge_pages and nbytes >= buffers.HUGE_PAGE:
                 exact = None  # the huge-page mapping is allocated as bytes
             placements[storage] = Fresh(nbytes, exact, huge_pages)
-            if nbytes >= buffers.PREFAULT_PIECE:
+            if nbytes >= buffers.PREFAULT_MIN_REGION:
                 prefault.append(PrefaultRegion(offset, storage, nbytes))
         offset += nbytes
     return prefault

@@ -1,0 +1,133 @@
+"""The package's layers, held against its imports (docs/architecture.md).
+
+Two wings on shared ground: ``serve/`` (sending) and ``fetch/`` (receiving)
+never import each other; nothing on the shared ground imports either wing or
+the facade; no module imports itself back through a cycle; and no module
+re-exports a name it does not define (package ``__init__`` files, whose job
+that is, aside). Read from the source with ``ast``: nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zmqtransport"
+WINGS = ("zmqtransport.serve", "zmqtransport.fetch")
+# Above the wings: the facade and what is built on it (CLI, benchmark, lab children).
+TOP = ("zmqtransport.transport", "zmqtransport.cli", "zmqtransport.bench", "zmqtransport.__main__", "zmqtransport")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every zmqtransport module ``path`` imports (top level or inside functions)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("zmqtransport"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if not base.startswith("zmqtransport"):
+                continue
+            # `from pkg import mod` imports the module; `from mod import name`, the module.
+            found.update(f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names)
+    found.discard(name)
+    return found
+
+
+def is_module(dotted: str) -> bool:
+    where = PACKAGE.parent / Path(*dotted.split("."))
+    return where.is_dir() or where.with_suffix(".py").exists()
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(path): imports_of(path) for path in PACKAGE.rglob("*.py")}
+
+
+def in_wing(module: str, wing: str) -> bool:
+    return module == wing or module.startswith(wing + ".")
+
+
+def test_the_wings_never_import_each_other() -> None:
+    edges = graph()
+    serve, fetch = WINGS
+    crossing = [
+        (source, target)
+        for source, targets in edges.items()
+        for target in targets
+        if (in_wing(source, serve) and in_wing(target, fetch)) or (in_wing(source, fetch) and in_wing(target, serve))
+    ]
+    assert not crossing, crossing
+
+
+def test_the_shared_ground_imports_neither_wing_nor_the_facade() -> None:
+    edges = graph()
+    upward = [
+        (source, target)
+        for source, targets in edges.items()
+        if not any(in_wing(source, wing) for wing in (*WINGS, *TOP[1:3])) and source not in TOP
+        for target in targets
+        if any(in_wing(target, wing) for wing in WINGS) or target == "zmqtransport.transport"
+    ]
+    assert not upward, upward
+
+
+def test_no_import_cycles() -> None:
+    edges = graph()
+    # Package __init__ files that only gather names would make every submodule
+    # "import" its package; the cycle that matters runs between modules.
+    packages = {m for m in edges if (PACKAGE.parent / Path(*m.split("."))).is_dir()}
+    edges = {m: ts - packages for m, ts in edges.items() if m not in packages}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(target):], target]))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+
+
+def test_no_module_re_exports_names_it_does_not_define() -> None:
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        defined = {
+            node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        }
+        for node in tree.body:
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined.update(t.id for t in targets if isinstance(t, ast.Name))
+        for node in tree.body:
+            names = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in names):
+                assert isinstance(node, ast.Assign) and isinstance(node.value, ast.List | ast.Tuple)
+                listed = {elt.value for elt in node.value.elts if isinstance(elt, ast.Constant)}
+                foreign = sorted(listed - defined)
+                if foreign:
+                    offenders.append((module_name(path), foreign))
+    assert not offenders, offenders

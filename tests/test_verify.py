@@ -1,0 +1,499 @@
+"""Digests (docs/protocol.md, "Digests"): the bookkeeping, the wire, the source's rules, and rogue relays on loopback.
+
+The pure parts first (algorithms, the digest book, the span book's held
+messages, the request and reply fields, the source's chain rules and its digest
+work). Then real transports on loopback (``RELAY_LOOPBACK`` on, as in
+tests/test_relay.py): the head of the source's relay chain is a rogue, a
+transport whose relaying is modified (the patch is on the class, and the rogue
+is the only transport here that relays), and the receiver sent to it must
+complete bit-exact and name it in a WARNING. tests/test_rogue_lab.py does the
+same with real processes on their own hosts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from zmqtransport import ZMQTransport, digests, relayed, wire
+from zmqtransport.bench.rogue import become_rogue
+from zmqtransport.codec.tensors import EncodedTree
+from zmqtransport.errors import IntegrityError, ProtocolError
+from zmqtransport.fetch.spans import DEPTH, HELD, LANDED, MISSING, SpanBook
+from zmqtransport.fetch.verify import DigestBook, Verdict
+from zmqtransport.serve import chain, scheduler
+from zmqtransport.serve.digests import DigestWork
+from zmqtransport.serve.router import Router
+from zmqtransport.serve.scheduler import Scheduler, SendHeader
+from zmqtransport.serve.staged import Staged
+from zmqtransport.testing import FakeDevice
+
+from .conftest import TIMEOUT
+
+SHA = digests.algorithm(digests.SHA256)
+MIB = 1 << 20
+
+
+# ----------------------------------------------------------------------------- algorithms
+
+
+def test_sha256_is_always_offered_and_unknown_names_are_skipped() -> None:
+    assert digests.SHA256 in digests.offered()
+    assert digests.offered()[-1] == digests.SHA256  # the fallback comes last
+    assert digests.choose(["md5", "sha256"]) == SHA
+    assert digests.choose(["md5"]) is None
+    assert digests.digest_of(SHA, b"abc") == bytes.fromhex(
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    )
+
+
+# ----------------------------------------------------------------------------- the digest book
+
+
+def test_digest_book_checks_held_messages_when_the_digests_come() -> None:
+    book = DigestBook(8, 32)
+    assert book.wanted(0, 4) == [(0, 4)]
+    book.asking(11, stream=2, first=0, stop=4, now=0.0)
+    assert book.wanted(0, 6) == [(4, 6)]
+    good, bad = digests.digest_of(SHA, b"m0"), digests.digest_of(SHA, b"forged")
+    assert book.check(0, good, stream=0) is None  # its digest is not known yet: it waits
+    assert book.check(1, bad, stream=0) is None
+    blob = b"".join(digests.digest_of(SHA, f"m{i}".encode()) for i in range(4))
+    assert book.on_digests(11, 0, blob) == [Verdict(0, 0, True), Verdict(1, 0, False)]
+    assert book.check(2, digests.digest_of(SHA, b"m2"), stream=1) is True  # known now: at once
+    assert book.check(3, bad, stream=1) is False
+    assert book.on_digests(99, 0, blob) is None  # not ours (cancelled, or its stream was dropped)
+
+
+def test_digest_book_refuses_an_answer_that_does_not_cover_the_request() -> None:
+    book = DigestBook(8, 32)
+    book.asking(1, stream=0, first=2, stop=4, now=0.0)
+    with pytest.raises(ValueError, match="asked"):
+        book.on_digests(1, 2, b"\0" * 32)
+    with pytest.raises(ValueError, match="asked"):
+        book.on_digests(1, 3, b"\0" * 64)
+
+
+def test_digest_book_asks_again_what_a_lost_stream_was_asked() -> None:
+    book = DigestBook(8, 32)
+    book.asking(1, stream=3, first=0, stop=4, now=0.0)
+    book.check(2, b"x" * 32, stream=0)
+    assert [r.xfer for r in book.lost(3)] == [1]
+    assert book.wanted(0, 4) == [(0, 4)]
+    assert book.unverified_wanted() == [(2, 3)]
+    # A dropped relay's held messages are not believed.
+    assert book.forget(0) == [2] and book.pending == {}
+
+
+# ----------------------------------------------------------------------------- held messages in the span book
+
+
+def test_a_held_message_lands_only_once_verified_and_a_rejected_one_is_asked_again() -> None:
+    book = SpanBook(6, streams=2, span=3, standby=frozenset({1}))
+    book.connected(0, True)
+    book.connected(1, True)
+    span = book.assign(0, 7, 0.0)
+    assert span is not None and (span.first, span.stop) == (0, 3)
+    for seq in range(3):
+        assert book.on_data(7, seq, 0.01, held=True) is True
+    assert list(book.landed[:3]) == [HELD] * 3 and book.missing == 6
+    book.verified(0)
+    book.rejected([1, 2])
+    assert list(book.landed[:3]) == [LANDED, MISSING, MISSING] and book.missing == 5
+    assert book.queue[0] == (1, 3)  # asked for again first
+    assert book.prefix() == 1
+
+
+def test_a_held_message_is_not_asked_for_twice_while_it_is_checked() -> None:
+    book = SpanBook(4, streams=2, span=2)
+    book.connected(0, True)
+    book.connected(1, True)
+    first = book.assign(0, 1, 0.0)
+    assert first is not None
+    assert book.on_data(1, 0, 0.01, held=True) and book.on_data(1, 1, 0.01, held=True)
+    book.on_end(1)
+    second = book.assign(1, 2, 0.02)
+    assert second is not None and (second.first, second.stop) == (2, 4)
+    assert book.on_data(2, 2, 0.03) is True and book.on_data(2, 3, 0.03) is True
+    assert not book.complete
+    book.verified(0)
+    book.verified(1)
+    assert book.complete
+
+
+def test_a_relay_that_sends_nothing_is_taken_over_after_the_first_quiet_bound_and_then_found_idle() -> None:
+    # Stream 0 a relay (primary), stream 1 the source standing by.
+    book = SpanBook(8, streams=2, span=2, standby=frozenset({1}))
+    book.connected(0, True)
+    book.connected(1, True)
+    held = [book.assign(0, xfer, 0.0) for xfer in (1, 2)]
+    assert all(span is not None for span in held)
+    assert book.assign(1, 3, 0.4) is None  # the source stands by
+    takeover = book.assign(1, 3, 0.5)  # nothing from the relay yet: QUIET_FIRST, not STANDBY_QUIET
+    assert takeover is not None and (takeover.first, takeover.stop) == (0, 2)
+    assert held[0] is not None and book.idle_since_taken_over(held[0])
+    book.on_data(2, 2, 0.6, held=True)  # the relay sends something after all: not idle
+    assert not book.idle_since_taken_over(held[0])
+
+
+# ----------------------------------------------------------------------------- the wire
+
+
+def test_digest_fields_round_trip_and_are_checked() -> None:
+    request = wire.decode_request(
+        wire.fetch_request(1, 2, 3, 4, False, span=(0, 4), stage=5, verify=["sha256"], digests_only=True)
+    )
+    assert request.verify == ("sha256",) and request.digests_only and not request.inline
+    request = wire.decode_request(wire.fetch_request(1, 2, 3, 4, False, verify=["blake3", "sha256"], inline=True))
+    assert request.verify == ("blake3", "sha256") and request.inline
+    plain = wire.fetch_request(1, 2, 3, 4, False)
+    assert b"verify" not in plain  # a plain fetch stays what an earlier source parses
+    bad = [
+        {"verify": "sha256"},
+        {"verify": ["x" * 33]},
+        {"verify": ["a"] * 9},
+        {"inline": True},
+        {"digests_only": True, "verify": ["sha256"]},  # not a span fetch
+        {"digests_only": 1, "verify": ["sha256"], "span": [0, 1], "stage": 1},
+        {"digests_only": True, "verify": ["sha256"], "span": [0, 1], "stage": 1, "token": b"T" * 16},
+    ]
+    base = {"v": 1, "op": "fetch", "id": 1, "step": 1, "wait_ms": 0, "credit": 1}
+    for extra in bad:
+        with pytest.raises(ProtocolError):
+            wire.decode_request(wire.pack({**base, **extra}))
+    data = wire.decode_reply(wire.data_envelope(3, 4, None, b"d" * 32), True, "peer")
+    assert data.dg == b"d" * 32
+    assert wire.data_envelope(3, 4, 5) == wire.data_envelope(3, 4, 5, None)
+    answer = wire.decode_reply(wire.digests_reply(3, 8, b"e" * 64), False, "peer")
+    assert (answer.op, answer.seq, answer.dg) == (wire.OP_DIGESTS, 8, b"e" * 64)
+    header = wire.decode_reply(wire.header_envelope(3, 9, None, "sha256"), True, "peer")
+    assert header.digest == "sha256"
+    with pytest.raises(ProtocolError):
+        wire.decode_reply(wire.pack({"v": 1, "op": "data", "id": 1, "seq": 0, "dg": "text"}), True, "peer")
+    with pytest.raises(ProtocolError):
+        wire.decode_reply(wire.pack({"v": 1, "op": "digests", "id": 1, "first": -1, "dg": b""}), False, "peer")
+
+
+# ----------------------------------------------------------------------------- the source's rules
+
+
+def staged(messages: int = 4, nbytes: int = 64) -> Staged:
+    memory = torch.arange(messages * nbytes, dtype=torch.uint8)
+    tree = EncodedTree(skeleton=None)
+    tree.add_tensor(memory, ())
+    plan = wire.plan_chunks([messages * nbytes], nbytes, 0)
+    return Staged(7, b"header", tree, plan, None)
+
+
+def fetch(xfer: int = 1, **kwargs: Any) -> wire.Request:
+    return wire.Request(wire.OP_FETCH, xfer, step=7, wait_ms=1000, credit=4, **kwargs)
+
+
+def test_an_offer_to_relay_is_kept_to_the_host_the_connection_comes_from() -> None:
+    offer = "tcp://10.0.0.2:5000?curve=KEY&paths=10.9.9.9:5000,10.0.0.2:5001"
+    assert chain.believable_offer(offer, "10.0.0.2") == "tcp://10.0.0.2:5000?curve=KEY&paths=10.0.0.2:5001"
+    assert chain.believable_offer(offer, "::ffff:10.0.0.2") is not None  # an IPv4 peer on a dual-stack socket
+    assert chain.believable_offer("tcp://10.9.9.9:5000?paths=10.0.0.2:7", "10.0.0.2") == "tcp://10.0.0.2:7"
+    assert chain.believable_offer("tcp://victim.example:80", "10.0.0.2") is None  # names are not resolved
+    assert chain.believable_offer("tcp://10.9.9.9:80", "10.0.0.2") is None
+    assert chain.believable_offer("not metadata", "10.0.0.2") is None
+    assert chain.believable_offer("tcp://10.0.0.2:1", "unknown peer") is None
+
+
+def test_only_a_receiver_that_verifies_is_sent_to_a_relay_and_only_offers_from_their_own_host() -> None:
+    sched = Scheduler(10.0)
+    sched.stage(staged(), 0.0)
+    verify = ("sha256",)
+    head = sched.on_request(b"a", fetch(relay="tcp://10.0.0.1:1", verify=verify), "10.0.0.1", 0.0)[0]
+    assert isinstance(head, SendHeader) and head.digest == "sha256" and head.relay is not None
+    # An offer naming another host is not believed: served directly, and nobody is sent there.
+    liar = sched.on_request(b"x", fetch(relay="tcp://10.0.0.1:2", verify=verify), "10.0.0.66", 0.0)[0]
+    assert isinstance(liar, SendHeader) and liar.relay is None and not liar.header_only
+    # A receiver that does not verify (an earlier release) is served by the source, and may relay.
+    old = sched.on_request(b"o", fetch(relay="tcp://10.0.0.3:1"), "10.0.0.3", 0.0)[0]
+    assert isinstance(old, SendHeader) and old.digest is None and old.relay is not None
+    assert old.relay.upstream is None and not old.header_only
+    follower = sched.on_request(b"b", fetch(relay="tcp://10.0.0.2:1", verify=verify), "10.0.0.2", 0.0)[0]
+    assert isinstance(follower, SendHeader) and follower.relay is not None
+    assert follower.relay.upstream == "tcp://10.0.0.3:1" and follower.header_only
+
+
+class FakeRouter:
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, wire.Reply]] = []
+
+    def send(self, peer: bytes, frames: list[Any]) -> bool:
+        self.sent.append((peer, wire.decode_reply(frames[0], False, "source")))
+        return True
+
+
+def test_digest_requests_are_answered_with_bounded_hashing_per_round() -> None:
+    sched = Scheduler(10.0)
+    steps = staged(messages=4, nbytes=64)
+    sched.stage(steps, 0.0)
+    router = FakeRouter()
+    work = DigestWork(sched, router, round_bytes=100)  # type: ignore[arg-type]
+    request = fetch(9, span=(1, 4), stage=steps.stage_id, verify=("md5", "sha256"), digests_only=True)
+    assert sched.on_request(b"r", request, "10.0.0.9", 0.0) == []
+    assert sched.next_round() == []  # a digest request sends no data
+    rounds = 0
+    while not router.sent:
+        assert work.run() or router.sent
+        rounds += 1
+    assert rounds == 2  # 192 bytes at 100 per round
+    peer, reply = router.sent[0]
+    want = b"".join(digests.digest_of(SHA, steps.payload(seq)[0]) for seq in (1, 2, 3))
+    assert (peer, reply.op, reply.xfer, reply.seq, reply.dg) == (b"r", wire.OP_DIGESTS, 9, 1, want)
+    assert sched.transfers == {}
+    assert work.run() is False
+    # A digest request for another staging, or none at all, is refused; one without a known algorithm too.
+    for bad, code in [
+        (fetch(10, span=(0, 1), stage=steps.stage_id + 1, verify=("sha256",), digests_only=True), "wrong_step"),
+        (fetch(11, span=(0, 1), stage=steps.stage_id, verify=("md5",), digests_only=True), "bad_request"),
+    ]:
+        refusal = sched.on_request(b"r", bad, "10.0.0.9", 0.0)
+        assert [a.code for a in refusal] == [code]  # type: ignore[union-attr]
+    sched.disallow()
+    assert [a.code for a in sched.on_request(b"r", request, "10.0.0.9", 0.0)] == ["disallowed"]  # type: ignore[union-attr]
+
+
+def test_digests_of_device_memory_come_from_what_the_pump_sends() -> None:
+    # A message built from device memory is not read by the digest work: it waits for the
+    # pump, which hashes what it sends to a relay, and gives up at the stall bound.
+    sched = Scheduler(10.0, stall=1.0)
+    steps = staged(messages=2)
+
+    class DevicePlan:
+        chunks = (True, True)  # both messages are built from device memory
+
+    steps.device_plan = DevicePlan()  # type: ignore[assignment]
+    sched.stage(steps, 0.0)
+    router = FakeRouter()
+    work = DigestWork(sched, router)  # type: ignore[arg-type]
+    request = fetch(3, span=(0, 2), stage=steps.stage_id, verify=("sha256",), digests_only=True)
+    sched.on_request(b"r", request, "10.0.0.9", 0.0)
+    assert work.run() is False and not router.sent
+    steps.digests["sha256"] = [b"a" * 32, None]
+    assert work.run() is False and not router.sent
+    aborts = sched.expire(time.monotonic() + 2.0)  # the digest work marks progress on the real clock
+    assert [a.code for a in aborts] == ["stalled"]  # type: ignore[union-attr]
+
+
+# ----------------------------------------------------------------------------- rogue relays on loopback
+
+
+@pytest.fixture(autouse=True)
+def relay_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler, "RELAY_LOOPBACK", True)
+
+
+def state(megabytes: int = 16, seed: int = 3) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    small = [torch.randn(n, generator=g) for n in (5, 50)]
+    return {"w": torch.randn(megabytes * MIB // 4, generator=g), "small": small}
+
+
+def same(got: Any, want: Any) -> bool:
+    return torch.equal(got["w"], want["w"]) and all(
+        torch.equal(a, b) for a, b in zip(got["small"], want["small"], strict=True)
+    )
+
+
+def slow(per_message: float) -> Any:
+    def progress(done: int, total: int) -> None:
+        time.sleep(per_message)
+
+    return progress
+
+
+def forging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relays flip bytes of what they forward and send a CRC32 that matches the forgery (the benchmark's rogue)."""
+    monkeypatch.setattr(relayed.Relayed, "payload", relayed.Relayed.payload)  # restored after the test
+    monkeypatch.setattr(relayed.Relayed, "crc", relayed.Relayed.crc)
+    become_rogue("flip")
+
+
+def refusing(code: str) -> Any:
+    def patch(monkeypatch: pytest.MonkeyPatch) -> None:
+        def refuse(self: Scheduler, peer: bytes, request: wire.Request, address: str, now: float) -> Any:
+            return [scheduler.Refuse(peer, request.xfer, code, "rogue")]
+
+        monkeypatch.setattr(Scheduler, "_start_relayed", refuse)
+
+    return patch
+
+
+def garbling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Relays answer span fetches with a data message numbered out of the span's order."""
+    honest = relayed.Relayed.payload
+
+    def payload(self: relayed.Relayed, seq: int) -> tuple[bytes, bool]:
+        data, referenced = honest(self, seq)
+        return data + b"extra", referenced  # longer than the plan says
+
+    monkeypatch.setattr(relayed.Relayed, "payload", payload)
+
+
+def silent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Relays take span fetches and send nothing; returns the spans they were asked for."""
+    asked: list[tuple[int, int]] = []
+    honest = Scheduler._start_relayed
+
+    def start(self: Scheduler, peer: bytes, request: wire.Request, address: str, now: float) -> Any:
+        assert request.span is not None
+        asked.append(request.span)
+        return honest(self, peer, request, address, now)
+
+    monkeypatch.setattr(Scheduler, "_start_relayed", start)
+    monkeypatch.setattr(relayed.Relayed, "available", lambda self, seq: False)
+    return asked
+
+
+def _heal_behind_a_rogue(make_transport: Any, caplog: pytest.LogCaptureFixture, **downstream: Any) -> tuple[Any, Any]:
+    """The source, a rogue at the head of its chain, and an honest receiver sent to it; the honest outcome."""
+    sender = make_transport(checksum=True)
+    rogue = make_transport(progress=slow(0.02))
+    honest = make_transport(**downstream)
+    want = state()
+    sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
+    rogue_done: list[Any] = []
+    head = threading.Thread(target=lambda: rogue_done.append(_receive(rogue, sender)))
+    head.start()
+    deadline = time.monotonic() + 20
+    while not sender._server._scheduler.chain.members and time.monotonic() < deadline:
+        time.sleep(0.005)  # until the rogue heads the chain
+    with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
+        got = honest.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+    head.join(30)
+    assert same(got, want)
+    named = [r.getMessage() for r in caplog.records if rogue.metadata() in r.getMessage()]
+    return honest.last_recv_stats, named
+
+
+def _receive(transport: ZMQTransport[Any], sender: ZMQTransport[Any]) -> Any:
+    try:
+        return transport.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+    except Exception as exc:  # the rogue's own outcome does not matter
+        return exc
+
+
+@pytest.mark.parametrize(
+    "rogue",
+    [forging, refusing("shutdown"), refusing("bad_request"), refusing("busy"), garbling],
+    ids=["flips-bytes-forges-crc", "error-shutdown", "error-bad_request", "error-busy", "malformed"],
+)
+def test_a_rogue_relay_changes_nothing_and_is_named(
+    rogue: Any, make_transport: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    rogue(monkeypatch)
+    stats, named = _heal_behind_a_rogue(make_transport, caplog)
+    assert named, [r.getMessage() for r in caplog.records]
+    assert "WARNING" in {r.levelname for r in caplog.records if r.getMessage() in named}
+    assert sum(stats.paths.values()) == stats.bytes
+
+
+def test_an_in_place_receive_keeps_no_forged_byte(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    forging(monkeypatch)
+    mine = state(seed=9)
+    stats, named = _heal_behind_a_rogue(make_transport, caplog, state_dict=lambda: mine)
+    assert named and stats.in_place_bytes == stats.bytes
+    assert same(mine, state())  # the caller's own tensors hold the source's bytes, every one
+
+
+def test_a_rogue_relay_ahead_of_a_device_receive(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The source's memory and the receiver's go through (fake) device staging: the
+    # source hashes what it sends its relay; the receiver hashes its bounce buffers.
+    forging(monkeypatch)
+    sender = make_transport(staging=FakeDevice().staging(), checksum=True)
+    rogue = make_transport(progress=slow(0.02))
+    honest = make_transport(staging=FakeDevice().staging(), device="cpu")
+    want = state()
+    sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
+    head = threading.Thread(target=_receive, args=(rogue, sender))
+    head.start()
+    deadline = time.monotonic() + 20
+    while not sender._server._scheduler.chain.members and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
+        got = honest.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+    head.join(30)
+    assert same(got, want)
+    assert any(rogue.metadata() in r.getMessage() for r in caplog.records)
+
+
+def test_a_relay_that_serves_nothing_costs_one_quiet_bound(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Dropped at its first quiet bound (the source takes over then): never asked for more, so
+    # it costs one bound, not one per pair of spans as it would if it were kept (16 MiB: 4 spans).
+    asked = silent(monkeypatch)
+    stats, named = _heal_behind_a_rogue(make_transport, caplog, stall_timeout=None)
+    assert named and "sent nothing" in named[0]
+    assert list(stats.paths) == [stats.peer]
+    assert len(asked) <= DEPTH, asked
+
+
+def test_a_source_without_digests_is_never_relayed_from(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An earlier source: it chains every receiver that offers, and publishes no digests.
+    forging(monkeypatch)
+    monkeypatch.setattr(scheduler.digests, "choose", lambda names: None)
+    honest_join = chain.Chain.join
+
+    def join(self: chain.Chain, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
+        return honest_join(self, peer, at, token)
+
+    monkeypatch.setattr(chain.Chain, "join", join)
+    stats, _ = _heal_behind_a_rogue(make_transport, caplog)
+    assert list(stats.paths) == [stats.peer]  # everything from the source, nothing from the relay it was sent to
+    sender = make_transport()
+    sender.send_checkpoint([1], 2, state(1), TIMEOUT)
+    with pytest.raises(IntegrityError, match="publishes no digests"):
+        make_transport(verify="all").recv_checkpoint(0, sender.metadata(), 2, TIMEOUT)
+
+
+# ----------------------------------------------------------------------------- verify="all": the source's own bytes
+
+
+def corrupting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes change on their way from the source (a bad NIC, a middlebox): one byte of message 2."""
+    honest = Router.send_data
+
+    def send_data(self: Router, peer: bytes, envelope: bytes, payload: Any, track: bool) -> Any:
+        if wire.decode_reply(envelope, True, "x").seq == 2:
+            payload = bytearray(memoryview(payload).cast("B"))
+            payload[7] ^= 1
+        return honest(self, peer, envelope, payload, track)
+
+    monkeypatch.setattr(Router, "send_data", send_data)
+
+
+@pytest.mark.parametrize("streams", [1, 2], ids=["one-connection", "striped"])
+def test_verify_all_checks_the_sources_own_bytes(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch, streams: int
+) -> None:
+    sender = make_transport()
+    want = state(4)
+    sender.send_checkpoint([1], 1, want, TIMEOUT)
+    assert same(make_transport(verify="all", streams=streams).recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
+    corrupting(monkeypatch)
+    # By default the source's own bytes are trusted (TCP's checksum only) ...
+    assert not same(make_transport(streams=streams).recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
+    # ... with verify="all" every byte is checked against its digest.
+    with pytest.raises(IntegrityError, match="digest mismatch in data message 2"):
+        make_transport(verify="all", streams=streams).recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+
+
+def test_verify_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="verify="):
+        ZMQTransport(TIMEOUT, bind_host="127.0.0.1", verify="none")

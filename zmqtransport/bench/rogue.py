@@ -1,0 +1,67 @@
+"""A rogue relay for the benchmark (issue 21): a receiver whose relaying is modified, in its own process.
+
+The receiver of rank :attr:`~.config.Rogue.rank` heads the source's relay
+chain (it starts first) and, in its own process only, relays as ``mode`` says:
+
+* ``flip``: flips bytes of every message it forwards and sends a CRC32 that
+  matches the forgery;
+* ``error``: answers every span fetch with an error reply (``stalled``);
+* ``silent``: takes span fetches and sends nothing;
+* ``shutdown``: an honest relay whose transport shuts down once half of its
+  own data has landed.
+
+Its own receive is not timed. The rows show what a rogue costs the honest
+receivers chained behind it; tests/test_rogue_lab.py checks that they
+complete bit-exact and name it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from .. import relayed, wire
+from ..serve import scheduler
+
+MODES = ("flip", "error", "silent", "shutdown")
+
+
+def become_rogue(mode: str) -> None:
+    """Modify relaying in this process as ``mode`` says (``shutdown`` needs :func:`shutdown_halfway` too)."""
+    if mode == "flip":
+        honest = relayed.Relayed.payload
+
+        def payload(self: relayed.Relayed, seq: int) -> tuple[bytes, bool]:
+            data, referenced = honest(self, seq)
+            forged = bytearray(data)
+            forged[::997] = bytes(b ^ 0x5A for b in forged[::997])
+            return bytes(forged), referenced
+
+        def crc(self: relayed.Relayed, seq: int, payload: Any) -> int:
+            return zlib.crc32(payload)  # a CRC32 that matches the forgery
+
+        relayed.Relayed.payload = payload  # type: ignore[method-assign]
+        relayed.Relayed.crc = crc  # type: ignore[method-assign]
+    elif mode == "error":
+
+        def refuse(self: scheduler.Scheduler, peer: bytes, request: wire.Request, address: str, now: float) -> Any:
+            return [scheduler.Refuse(peer, request.xfer, wire.ERR_STALLED, "rogue")]
+
+        scheduler.Scheduler._start_relayed = refuse  # type: ignore[method-assign]
+    elif mode == "silent":
+        relayed.Relayed.available = lambda self, seq: False  # type: ignore[method-assign]
+    elif mode != "shutdown":
+        raise ValueError(f"unknown rogue mode {mode!r}; known: {', '.join(MODES)}")
+
+
+def shutdown_halfway(transport: list[Any]) -> Callable[[int, int], None]:
+    """A progress callback that shuts ``transport[0]`` (made after it) down once half of its data has landed."""
+    done_once: list[bool] = []
+
+    def progress(done: int, total: int) -> None:
+        if not done_once and done >= total // 2 and transport:
+            done_once.append(True)
+            transport[0].shutdown(wait=False)
+
+    return progress

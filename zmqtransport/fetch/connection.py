@@ -1,0 +1,189 @@
+"""The DEALER sockets of one receive: one :class:`Connection` type, and the set a receive opens.
+
+A receive starts with one DEALER to the source's first path (or one per path,
+racing: :mod:`.racing`); the one that wins carries the request and the
+header. A striped receive keeps the others that may still connect, opens more
+up to ``streams``, and, when the source names a relay, one per path of that
+relay. All belong to the receiving thread and are closed by
+:meth:`Connections.close`, whatever happened.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from .. import sockets, wire
+from ..errors import ProtocolError
+from ..net import Path, PeerAddress, parse_metadata
+from . import liveness, racing
+
+Configure = Callable[[zmq.Socket[Any]], None]
+
+
+@dataclass(eq=False)
+class Connection:
+    """One DEALER of a receive: the path it connects to, the socket, the watch on its connection.
+
+    ``token`` is a relay's (shown in every span fetch, docs/protocol.md,
+    "Relays"); None for the source. The other fields are what a striped
+    receive learns about the connection while it runs.
+    """
+
+    path: Path
+    socket: zmq.Socket[Any]
+    watch: liveness.SourceWatch
+    token: bytes | None = None
+    standby: bool = False  # the source while a relay serves: used when the relay cannot be
+    interrupted: bool = False  # its connection dropped; given RECONNECT_GRACE to come back
+    gone: str = ""  # why it was dropped ("" while in use)
+    bytes: int = 0  # landed from this connection
+    messages: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return self.path.endpoint
+
+    def close(self) -> None:
+        self.watch.close()
+        self.socket.close(linger=0)
+
+
+def open_connection(
+    context: zmq.Context[Any], path: Path, configure: Configure, stall_timeout: float | None, racing: bool = False
+) -> Connection:
+    """A DEALER set up by ``configure`` and watched, not yet connected; nothing stays open if that fails.
+
+    ``racing``: it takes part in :func:`.racing.connect_first`, so its watch
+    also reports failed connection attempts (a lone DEALER does without them).
+    The watch is set up before connecting, so it sees the handshake.
+    """
+    socket = sockets.new_socket(context, zmq.DEALER, configure)
+    try:
+        watch = liveness.SourceWatch(socket, stall_timeout, liveness.REFUSAL_EVENTS if racing else 0)
+    except BaseException:
+        socket.close(linger=0)
+        raise
+    return Connection(path, socket, watch)
+
+
+def dealer_options(stall_timeout: float | None, peer_options: Configure | None) -> Configure:
+    """Options of every DEALER of a receive; ``peer_options`` those of the peer it connects to (its CurveZMQ key)."""
+
+    def configure(sock: zmq.Socket[Any]) -> None:
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES)
+        # An explicit routing id survives a reconnect, so a sender that had to
+        # rebuild its ROUTER (forced release of a stalled receiver) can still
+        # answer a request it parked before. Ids must not start with a zero byte.
+        sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
+        liveness.configure_heartbeats(sock, stall_timeout)
+        if peer_options is not None:
+            peer_options(sock)
+
+    return configure
+
+
+class Connections:
+    """One receive's DEALERs: the one in use (:attr:`first`), kept ones, extra streams and a relay's."""
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        address: PeerAddress,
+        stall_timeout: float | None,
+        source_options: Configure | None,
+        relay_options: Callable[[PeerAddress], Configure | None] | None,
+    ) -> None:
+        self.context = context
+        self.address = address
+        self.stall_timeout = stall_timeout
+        self.to_source = dealer_options(stall_timeout, source_options)
+        self.relay_options = relay_options  # a relay's DEALER options, from its metadata
+        self.spare: list[Connection] = []  # further paths' DEALERs kept for a striped receive
+        self.extra: list[Connection] = []  # further connections opened for a striped receive
+        # Closed again if configuring it fails (a bad key, say): a socket left
+        # open would make the transport's shutdown wait forever in Context.term().
+        self.first = self._new(address.paths[0], self.to_source, racing=bool(address.more_paths))
+
+    def connect(self, deadline: float, keep: bool) -> str | None:
+        """Connect to the only path, or to the most preferred of several that connects.
+
+        ``keep``: a striped receive keeps the other paths' DEALERs in :attr:`spare`.
+        Returns what became of each path when none connected by ``deadline`` (else None).
+        """
+        if not self.address.more_paths:
+            self.first.socket.connect(self.first.endpoint)
+            return None
+        racers = [self.first]
+        try:
+            for path in self.address.more_paths:
+                racers.append(self._new(path, self.to_source, racing=True))
+        except BaseException:
+            for racer in racers[1:]:
+                racer.close()
+            raise
+        winner, self.spare, tried = racing.connect_first(racers, deadline, keep=keep)
+        if winner is None:
+            # connect_first closed them all; a closed socket closes again harmlessly.
+            return tried
+        self.first = winner
+        return None
+
+    def drop_spare(self) -> None:
+        for connection in self.spare:
+            connection.close()
+        self.spare = []
+
+    def streams(self, count: int | None, relay: wire.RelayOrder | None) -> list[Connection]:
+        """A striped receive's connections: this one, the kept ones, more up to ``count``, a relay's."""
+        connections = [self.first, *self.spare]
+        count = count if count is not None else len(connections)
+        for connection in connections[count:]:
+            connection.close()
+        connections = connections[:count]
+        now = time.monotonic()
+        for connection in connections:
+            connection.watch.read_events(now)
+        # More connections than paths: spread over the paths that are up, most preferred first.
+        targets = [c.path for c in connections if c.watch.state.established] or [self.first.path]
+        for extra in range(count - len(connections)):
+            connections.append(self._open(targets[extra % len(targets)], self.to_source))
+        self.spare = connections[1:]
+        if relay is not None and relay.upstream is not None:
+            # Fetch from the relay the source named; the source's connections stand by.
+            for connection in connections:
+                connection.standby = True
+            connections[:0] = self._relay_streams(relay.upstream, relay.upstream_token)
+        return connections
+
+    def _relay_streams(self, upstream: str, token: bytes | None) -> list[Connection]:
+        """One connection per path of the upstream relay, showing the token the source gave for it."""
+        try:
+            relay = parse_metadata(upstream)
+        except ValueError as exc:
+            raise ProtocolError(f"the source named a relay with malformed metadata: {exc}") from None
+        peer_options = self.relay_options(relay) if self.relay_options is not None else None
+        configure = dealer_options(self.stall_timeout, peer_options)
+        connections = [self._open(path, configure) for path in relay.paths]
+        for connection in connections:
+            connection.token = token
+        return connections
+
+    def _new(self, path: Path, configure: Configure, racing: bool = False) -> Connection:
+        return open_connection(self.context, path, configure, self.stall_timeout, racing)
+
+    def _open(self, path: Path, configure: Configure) -> Connection:
+        connection = self._new(path, configure)
+        self.extra.append(connection)
+        connection.socket.connect(path.endpoint)
+        return connection
+
+    def close(self) -> None:
+        for connection in (*self.spare, *self.extra, self.first):
+            connection.close()

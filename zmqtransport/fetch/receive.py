@@ -1,0 +1,376 @@
+"""One receive, from request to built object: :func:`fetch` and :func:`fetch_header`.
+
+Threading: a receive runs entirely in the calling thread and owns the DEALERs
+it creates; they are closed before it returns or raises. Several threads may
+fetch at once (each has its own sockets).
+
+Order of work: request, header, validation and allocation (so a hostile or
+buggy peer is refused before any large allocation; :mod:`.landing` decides,
+:mod:`.landed` allocates), then data messages copied straight into their
+destination storage (:mod:`.inbox`), over one connection while credit is
+returned in batches, or in spans over several (:mod:`.striped`), relaying what
+lands when the source asks (:mod:`.relaying`), then the end marker. Only then
+is the object built: nothing partial is ever returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from typing import Any
+
+import zmq
+
+from .. import buffers, digests, wire
+from ..device import RecvUnstager
+from ..errors import ConnectionLostError, IntegrityError, ProtocolError, StalledError
+from ..gcpause import paused_gc
+from ..net import PeerAddress
+from ..stats import TransferStats
+from . import landing, liveness, striped
+from .connection import Configure, Connection, Connections
+from .inbox import Inbox
+from .landed import Landed, build, land
+from .options import FetchOptions
+from .relaying import RelayDuty
+from .replies import discard_rest, expect_no_more, next_reply, refusal
+
+logger = logging.getLogger("zmqtransport.fetch")
+
+
+class Receive:
+    """One receive's phases: request, header, data messages (one connection or striped), end marker."""
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        address: PeerAddress,
+        src_rank: int | None,
+        step: int,
+        timeout: float,
+        options: FetchOptions,
+        peer_options: Configure | None,
+    ) -> None:
+        self.address = address
+        self.src_rank = src_rank  # None: the caller has no rank for the peer (fetch_header)
+        self.step = step
+        self.timeout = timeout
+        self.options = options
+        self.deadline = time.monotonic() + timeout
+        self.xfer = random.getrandbits(63)
+        self.stats = TransferStats(peer=address.endpoint, step=step)
+        self.stage: int | None = None  # the staging's id, from a sender that serves span fetches
+        self.order: wire.RelayOrder | None = None  # what the source said about relaying
+        # The source's digest algorithm (None: it publishes no digests, so relays cannot be checked).
+        self.algorithm: digests.Algorithm | None = None
+        self.duty: RelayDuty | None = None  # serving what lands to the downstream
+        self.plan: list[list[wire.Piece]] = []  # the header's chunk plan: what each data message carries
+        relay_options = options.relay.options_for if options.relay is not None else None
+        self.conns = Connections(context, address, options.stall_timeout, peer_options, relay_options)
+
+    # ----------------------------------------------------------------- naming the peer
+
+    @property
+    def endpoint(self) -> str:
+        """The path in use (the first until several are tried)."""
+        return self.conns.first.endpoint
+
+    def describe(self, at: bool = True) -> str:
+        """How messages name the source: by its rank where the caller gave one."""
+        who = "the peer" if self.src_rank is None else f"rank {self.src_rank}"
+        return f"{who} at {self.endpoint}" if at else who
+
+    def _where(self) -> str:
+        return f"{self.describe()} (step {self.step})"
+
+    def _timed_out(self, waiting_for: str) -> TimeoutError:
+        return TimeoutError(
+            f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for {waiting_for} from {self._where()}"
+        )
+
+    # ----------------------------------------------------------------- the connection in use
+
+    def _next(self, waiting_for: str, in_transfer: bool = False) -> wire.Reply:
+        """The next reply of this receive on the connection in use; an error reply raises."""
+        socket = self.conns.first.socket
+        reply = next_reply(socket, self.describe())
+        while reply is None:
+            self._wait(waiting_for, in_transfer)
+            reply = next_reply(socket, self.describe())
+        if reply.op == wire.OP_ERROR:
+            discard_rest(socket)
+            raise refusal(reply, self.describe(), self.step)
+        if reply.xfer != self.xfer:
+            discard_rest(socket)
+            raise ProtocolError(f"reply for another transfer: {reply.xfer!r}")
+        return reply
+
+    def _wait(self, waiting_for: str, in_transfer: bool) -> None:
+        """Block until a message is ready; raise at the deadline, on a stall or a lost connection."""
+        watch = self.conns.first.watch
+        outcome = watch.wait(self.deadline, in_transfer)
+        if outcome is liveness.Wait.LOST:
+            raise ConnectionLostError(f"connection lost to {self._where()} while waiting for {waiting_for}")
+        if outcome is liveness.Wait.STALLED:
+            raise StalledError(
+                f"recv_checkpoint stalled: nothing from {self._where()} for {watch.stall_timeout:.3g} s "
+                f"(stall_timeout) while waiting for {waiting_for}"
+            )
+        if outcome is liveness.Wait.DEADLINE:
+            raise self._timed_out(waiting_for)
+
+    # ----------------------------------------------------------------- phases
+
+    def request(self, header_only: bool = False, keep_paths: bool = False) -> None:
+        """Connect (to the most preferred path that connects, when there are several) and ask for the step."""
+        tried = self.conns.connect(self.deadline, keep_paths)
+        if tried is not None:
+            raise TimeoutError(
+                f"recv_checkpoint timed out after {self.timeout:.3g} s waiting for a connection to "
+                f"{self.describe(at=False)} (step {self.step}); paths tried: {tried}"
+            )
+        self.stats.peer = self.endpoint
+        if self.address.more_paths:
+            logger.debug("%s: using path %s", self.describe(at=False), self.endpoint)
+        self.send_request(header_only)
+
+    def send_request(self, header_only: bool = False, relay: bool = True) -> None:
+        wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
+        offer = self.options.relay.at if relay and self.options.relay is not None else None
+        inline = self.options.verify == "all" and not header_only
+        request = wire.fetch_request(
+            self.xfer,
+            self.step,
+            wait_ms,
+            self.options.window,
+            self.options.allow_pickle,
+            header_only,
+            relay=offer,
+            verify=digests.offered(),
+            inline=inline,
+        )
+        self.conns.first.socket.send(request)
+
+    def receive_header(self) -> landing.ParsedHeader:
+        reply = self._next("the checkpoint header")
+        if reply.op != wire.OP_HEADER or not reply.more:
+            raise ProtocolError(f"expected a header, got {reply.op!r}")
+        self.stage = reply.stage
+        self.order = reply.relay if self.options.relay is not None else None
+        self.algorithm = self._digest_algorithm(reply.digest)
+        socket = self.conns.first.socket
+        body = socket.recv()
+        expect_no_more(socket, "the header")
+        header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
+        if header.step != self.step:
+            raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
+        return landing.parse_header(header, self.options.allow_pickle)
+
+    def _digest_algorithm(self, name: str | None) -> digests.Algorithm | None:
+        """The algorithm the source chose from this side's offer (None: it publishes no digests)."""
+        if name is None:
+            if self.options.verify == "all":
+                raise IntegrityError(
+                    f"verify='all': {self.describe()} publishes no digests to check the data against "
+                    "(a release before digests); receive from it with verify='relayed'"
+                )
+            return None
+        if name not in digests.offered():
+            raise ProtocolError(f"the peer chose digest algorithm {name!r}, which this side did not offer")
+        return digests.algorithm(name)
+
+    def receive_end(self) -> None:
+        reply = self._next("the end of the transfer", in_transfer=True)
+        if reply.op != wire.OP_END:
+            raise ProtocolError(f"expected the end marker, got {reply.op!r}")
+        expect_no_more(self.conns.first.socket, "the end marker")
+
+    def header_phase(self) -> tuple[landing.ParsedHeader, bool]:
+        """Ask for and read the header; returns it and whether the data comes striped (in spans)."""
+        stripe = self.options.striped(self.address)
+        # A striped receive asks for the header alone, then for spans on every connection.
+        self.request(header_only=stripe, keep_paths=stripe)
+        parsed = self.receive_header()
+        sent_to_relay = self.stage is not None and self.order is not None and self.order.upstream is not None
+        if stripe or sent_to_relay:
+            self.receive_end()  # the header came alone: spans follow (from a relay, maybe)
+            if self.stage is None:
+                # A sender that serves no span fetches: one connection, as it expects, and no relaying either.
+                self.conns.drop_spare()
+                self.xfer = random.getrandbits(63)
+                self.send_request(relay=False)
+                parsed = self.receive_header()
+            stripe = self.stage is not None
+        return parsed, stripe
+
+    def plan_data(self, header: wire.Header) -> None:
+        """The chunk plan (once the header's sizes were accepted), and relaying if the source asked.
+
+        Registered as a relay before the memory is allocated: the downstream may ask at once.
+        """
+        self.plan = wire.plan_chunks(header.storages, header.chunk_bytes, header.pack_below)
+        relay = self.options.relay
+        if self.stage is not None and self.order is not None and relay is not None:
+            self.duty = RelayDuty.start(relay.host, self.order.token, self.step, self.stage, self.plan)
+
+    def receive_data(self, inbox: Inbox) -> None:
+        """Receive every data message on the connection in use, returning credit in batches."""
+        socket = self.conns.first.socket
+        source = self.describe()
+        messages = len(inbox.plan)
+        unacknowledged = 0
+        batch = max(1, self.options.window // 2)
+        for seq in range(messages):
+            reply = self._next(f"data message {seq} of {messages}", in_transfer=True)
+            if reply.op != wire.OP_DATA or reply.seq != seq or not reply.more:
+                raise ProtocolError(f"expected data message {seq}, got {reply.op!r} {reply.seq!r}")
+            inbox.land(socket, reply, source)
+            unacknowledged += 1
+            if unacknowledged >= batch and seq + 1 < messages:
+                socket.send(wire.credit_request(self.xfer, unacknowledged))
+                unacknowledged = 0
+        self.stats.messages = messages
+        self.receive_end()
+
+    def receive_striped(self, inbox: Inbox, chunk_bytes: int) -> None:
+        """Receive every data message in spans over several connections (:mod:`.striped`)."""
+        assert self.stage is not None  # only a sender that serves spans gets here
+        options = self.options
+        terms = striped.SpanTerms(
+            self.step,
+            self.stage,
+            options.allow_pickle,
+            self.deadline,
+            options.stall_timeout,
+            self.algorithm,
+            inline=options.verify == "all",
+        )
+        # Relays only where what they send can be checked against the source's digests.
+        streams = self.conns.streams(options.streams, self.order if self.algorithm is not None else None)
+        run = striped.StripedReceive(streams, inbox, terms, striped.span_messages(chunk_bytes), self.describe(False))
+        try:
+            run.run()
+        finally:
+            self._record(streams, run.duplicates)
+
+    def _record(self, streams: list[Connection], duplicates: int) -> None:
+        self.stats.streams = len(streams)
+        self.stats.messages = sum(stream.messages for stream in streams)
+        self.stats.duplicate_messages = duplicates
+        for stream in streams:
+            if stream.bytes:
+                self.stats.paths[stream.endpoint] = self.stats.paths.get(stream.endpoint, 0) + stream.bytes
+
+    def data_phase(self, parsed: landing.ParsedHeader, stripe: bool, landed: Landed) -> None:
+        """Every data message into ``landed``; then this receive's relaying winds down."""
+        unstager = RecvUnstager.borrow(self.options.staging, landed.destinations)
+        try:
+            duty = self.duty
+            if duty is not None:
+                # Device memory is not relayed: the downstream is refused and fetches from the source.
+                duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
+                duty = None if duty.stopped else duty
+            inline = self.options.verify == "all"
+            inbox = Inbox(parsed, self.plan, landed, unstager, duty, self.options.progress, self.algorithm, inline)
+            if stripe:
+                self.receive_striped(inbox, parsed.header.chunk_bytes)
+            else:
+                self.receive_data(inbox)
+        finally:
+            if unstager is not None:
+                # Every copy to the device has landed (or, on error, stopped) before this returns or raises.
+                unstager.close()
+        if self.duty is not None and not self.duty.stopped:
+            self.conns.close()  # done with every source: an upstream relay's tail ends now
+            self.duty.finish()
+
+    def cancel(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
+            self.conns.first.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        if self.duty is not None:
+            self.duty.stop()  # before anything is handed to the caller, whatever happened
+        self.conns.close()
+
+
+def fetch(
+    context: zmq.Context[Any],
+    address: PeerAddress,
+    src_rank: int,
+    step: int,
+    timeout: float,
+    options: FetchOptions,
+    peer_options: Configure | None = None,
+    targets: Any = None,
+) -> tuple[Any, TransferStats]:
+    """Fetch ``step`` from the peer at ``address``; see :meth:`ZMQTransport.recv_checkpoint`.
+
+    ``peer_options`` set up each DEALER to that peer (its CurveZMQ server key);
+    ``targets`` is the structure to receive into, in place.
+    """
+    buffers.settle_malloc_thresholds()  # once per process; see there
+    with paused_gc():  # many acyclic objects per tensor: see gcpause
+        receive = Receive(context, address, src_rank, step, timeout, options, peer_options)
+        started = time.monotonic()
+        landed: Landed | None = None
+        try:
+            parsed, stripe = receive.header_phase()
+            receive.stats.header_seconds = time.monotonic() - started
+            # Refused (absurd sizes) before anything is allocated, the chunk plan included.
+            plan = landing.plan_landing(parsed, targets, options.landing())
+            receive.plan_data(parsed.header)
+            landed = land(plan, options.prefault_threads)
+            receive.data_phase(parsed, stripe, landed)
+            result = build(parsed, landed)
+        except BaseException:
+            receive.cancel()
+            raise
+        finally:
+            if landed is not None:
+                landed.close()
+            receive.close()
+    return result, _finish_stats(receive, parsed, landed, time.monotonic() - started)
+
+
+def _finish_stats(receive: Receive, parsed: landing.ParsedHeader, landed: Landed, seconds: float) -> TransferStats:
+    stats = receive.stats
+    stats.seconds = seconds
+    stats.bytes = parsed.header.total_bytes
+    if not stats.paths:
+        stats.paths = {receive.endpoint: stats.bytes}
+    stats.in_place_bytes = sum(
+        n for n, d in zip(parsed.header.storages, landed.destinations, strict=True) if d.in_place is not None
+    )
+    stats.tensors = len(parsed.specs)
+    logger.info(
+        "received step %d from %s: %d bytes (%d in place) in %.3f s (%.2f GB/s)",
+        receive.step,
+        receive.describe(),
+        stats.bytes,
+        stats.in_place_bytes,
+        stats.seconds,
+        stats.gbps,
+    )
+    return stats
+
+
+def fetch_header(
+    context: zmq.Context[Any],
+    address: PeerAddress,
+    step: int,
+    timeout: float,
+    options: FetchOptions,
+    peer_options: Configure | None = None,
+) -> wire.Header:
+    """Ask the peer for the header of ``step`` only (no tensor data moves)."""
+    receive = Receive(context, address, None, step, timeout, options, peer_options)
+    try:
+        receive.request(header_only=True)
+        parsed = receive.receive_header()
+        receive.receive_end()
+        return parsed.header
+    finally:
+        receive.close()
