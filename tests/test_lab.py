@@ -487,7 +487,9 @@ transport.shutdown(wait=False)
 # Default bind and advertise settings: inside a lab host the only non-loopback
 # address is the host's lab address, so that is what it offers to relay at.
 # Prints "go METADATA" just before recv_checkpoint, then one JSON line. With a
-# kill fraction above 0 it SIGKILLs itself once that fraction of the bytes landed.
+# kill fraction above 0 it SIGKILLs itself once that fraction of the bytes landed
+# and it has relayed some (on a loaded machine the others can ask it late), or
+# on its last message.
 RELAY_RECEIVER = """
 import json, os, signal, sys, time, torch
 from datetime import timedelta
@@ -497,7 +499,7 @@ generator = torch.Generator().manual_seed(13)
 expected = {f"w{i}": torch.randn(1 << 18, generator=generator) for i in range(mib)}
 
 def progress(done, total):
-    if kill_at and done >= kill_at * total:
+    if kill_at and done >= kill_at * total and (transport.sent_bytes > 0 or done == total):
         os.kill(os.getpid(), signal.SIGKILL)
 
 transport = ZMQTransport(timedelta(seconds=timeout), relay=relay, progress=progress)
@@ -567,7 +569,7 @@ def _fan_out(lab: Lab, count: int, relay: bool = True, kill_first_at: float = 0.
 
     With ``kill_first_at``, receiver 1 starts first (it heads the source's relay
     chain: the others start once the source has sent it 1 MiB) and SIGKILLs
-    itself once it has that fraction of the state.
+    itself once it has that fraction of the state and has relayed some of it.
     """
     sender = lab_python(lab, 0, RELAY_SENDER, lab.address(0), str(RELAY_MIB), str(count), stderr=False)
     receivers = _start_receivers(lab, count, relay, kill_first_at)
