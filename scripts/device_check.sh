@@ -83,9 +83,9 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, GPU: {cuda}), pyzm
 EOF
 
 # ---------------------------------------------------------------- 2. CUDA tests
-say "running the CUDA tests of tests/test_device.py"
+say "running the CUDA tests of tests/test_device.py and tests/test_disallow.py"
 set +e
-timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py -k cuda -rs >"$LOG/pytest.log" 2>&1
+timeout 180 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_device.py tests/test_disallow.py -k cuda -rs >"$LOG/pytest.log" 2>&1
 tests_rc=$?
 set -e
 summary=$(grep -E '^=* ?[0-9]+ (passed|failed|skipped|error|deselected)|no tests ran' "$LOG/pytest.log" | tail -1 |

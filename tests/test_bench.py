@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -373,7 +374,7 @@ def test_rogue_presets_are_chosen_together() -> None:
 def test_relay_presets_are_chosen_together() -> None:
     args = bench.build_parser().parse_args(["--scenario", "relay"])
     scenarios = bench.scenarios_from_args(args, available=frozenset({"torchft"}))
-    assert [s.name for s in scenarios] == ["lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed"]
+    assert [s.name for s in scenarios] == ["lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3"]
     shapes = {s.name: (s.receivers, s.kill is not None, "zmq-norelay" in s.methods) for s in scenarios}
     assert shapes == {
         "lab-1to1": (1, False, False),
@@ -381,8 +382,9 @@ def test_relay_presets_are_chosen_together() -> None:
         "lab-1to7": (7, False, True),
         "lab-kill": (3, True, True),
         "lab-mixed": (3, False, True),
+        "lab-2nic-1to3": (3, False, True),
     }
-    mixed = scenarios[-1]
+    mixed = scenarios[-2]
     assert mixed.lab is not None and mixed.lab.mixed and mixed.lead_s > 0
     # The first to ask (receiver 1, host 1) is on a link 4x slower than the others'.
     assert [mixed.lab.rate_of(host) for host in range(4)] == [400.0, 100.0, 400.0, 400.0]
@@ -410,6 +412,19 @@ def test_issue22_targets_hold_each_receiver_to_its_own_link() -> None:
         "zmq-fresh r3 (400 Mbit/s) seconds / its own link's ideal": (1.42, False),
         "zmq-fresh source upload / state": (1.5, True),
     }
+    # Two NICs per host and the swarm together, against one receiver over one NIC.
+    two = ScenarioResult(
+        Scenario("lab-2nic-1to3", 64 << 20, 4 << 20, receivers=3, lab=LabSpec(nics=2)),
+        [],
+        {"zmq-fresh": _timed("zmq-fresh", 0.8)},
+        1.0,
+        True,
+    )
+    one = ScenarioResult(
+        Scenario("lab-1to1", 64 << 20, 4 << 20, lab=LabSpec()), [], {"zmq-fresh": _timed("zmq-fresh", 1.4)}, 1.0, True
+    )
+    (two_nics,) = [t for t in evaluate_targets([one, two]) if t.issue == 22]
+    assert (round(two_nics.measured, 2), two_nics.limit, two_nics.holds) == (0.57, 0.6, True)
     table = format_link_summary([result])
     rows = {tuple(line.split()[:3]): line.split()[3:] for line in table.splitlines()[2:]}
     assert rows[("lab-mixed", "http-4", "r2")] == ["400", "1.600", "0.671", "2.38", "3.00"]
@@ -442,3 +457,86 @@ def test_bytes_per_path_are_medians_by_address() -> None:
     assert entry.recv_paths == {"10.77.0.1": 6 << 20, "10.77.0.2": 4 << 20}
     assert entry.duplicates == 1
     assert path_host("tcp://10.77.1.1:41509") == "10.77.1.1" and path_host("10.77.1.1") == "10.77.1.1"
+
+
+def test_disallow_scenario_checks_every_element_after_the_mutation() -> None:
+    done = _run("--scenario", "disallow", "--total", "8M", "--tensor", "1M", "--methods", "zmq-fresh", "--json")
+    assert done.returncode == 0, done.stderr
+    (scenario,) = json.loads(done.stdout)["scenarios"]
+    (trial,) = scenario["trials"]
+    assert trial["errors"] == [""]  # bit-exact with the staged step (or it says why not)
+    assert set(trial["disallow"]) == {"seconds", "needed_bytes", "snapshot_bytes", "memcpy_s"}
+    summary = scenario["summary"]["zmq-fresh"]
+    assert summary["exact_trials"] == 1 and summary["disallow_s"] is not None
+    args = bench.build_parser().parse_args(["--scenario", "lab-disallow", "--warm"])
+    with pytest.raises(SystemExit, match="--warm"):
+        bench.scenarios_from_args(args, available=frozenset())
+
+
+def test_issue23_targets_in_the_lab_and_on_loopback() -> None:
+    from zmqtransport.bench.config import PRESETS
+    from zmqtransport.bench.runner import ScenarioResult
+    from zmqtransport.bench.targets import evaluate_targets
+
+    def held(method: str, median: float, slowest: float, memcpy: float, exact: int) -> bench.runner.MethodSummary:
+        summary = _summary(method, {})
+        summary.disallow_s, summary.disallow_max_s, summary.memcpy_s = median, slowest, memcpy
+        summary.exact_trials = exact
+        return summary
+
+    lab_run = ScenarioResult(PRESETS["lab-disallow"], [], {"zmq-fresh": held("zmq-fresh", 0.03, 0.2, 0.02, 3)}, 1, True)
+    loopback = ScenarioResult(PRESETS["disallow"], [], {"zmq-inplace": held("zmq-inplace", 0.3, 0.4, 0.28, 2)}, 1, True)
+    verdicts = {(t.scenario, t.text): t.holds for t in evaluate_targets([lab_run, loopback]) if t.issue == 23}
+    assert verdicts == {
+        ("lab-disallow", "zmq-fresh: trials in which the receiver got the staged bytes"): True,
+        ("lab-disallow", "zmq-fresh: slowest disallow_checkpoint, seconds"): False,
+        ("disallow", "zmq-inplace: trials in which the receiver got the staged bytes"): False,
+        ("disallow", "zmq-inplace: disallow_checkpoint seconds beyond a memcpy of what the receive still needed"): True,
+    }
+    assert not [t for t in evaluate_targets([loopback]) if t.issue == 16]  # a disallow is not a speed run
+
+
+def _mixed_result() -> Any:
+    from zmqtransport.bench.config import LabSpec, Scenario
+    from zmqtransport.bench.runner import ScenarioResult
+
+    scenario = Scenario("lab-mixed", 32 << 20, 4 << 20, receivers=3, lab=LabSpec(host_rates=((1, 100.0),)),
+                        lead_s=0.2, methods=("zmq-fresh",), reps=1)
+    src, r1, r2, r3 = (f"tcp://10.77.0.{h}:{5000 + h}" for h in (1, 2, 3, 4))
+    mib = 1 << 20
+    paths = [{src: 24 * mib, r3: 8 * mib}, {src: 16 * mib, r3: 12 * mib, r1: 4 * mib}, {src: 20 * mib, r2: 12 * mib}]
+    trial = _relay_trial("zmq-fresh", [2.9, 0.9, 0.85], paths, [])
+    trial.timelines = [[(0.0, 0), (2.9, 32 * mib)], [(0.0, 0), (0.9, 32 * mib)], [(0.0, 0), (0.85, 32 * mib)]]
+    return ScenarioResult(scenario, [trial], {"zmq-fresh": _timed("zmq-fresh", 2.9)}, 1.0, True)
+
+
+def test_the_fan_out_picture_shows_who_served_whom(tmp_path: Path) -> None:
+    from zmqtransport.bench.plot import edge_table, edges, plot_fanout
+
+    result = _mixed_result()
+    flows = edges(result, result.trials[0])
+    assert flows[("src", "r1")] == 24 << 20 and flows[("r3", "r2")] == 12 << 20 and flows[("r1", "r2")] == 4 << 20
+    table = edge_table([result])
+    assert "src -> r1: 24.0 MiB" in table and "r2 -> r3: 12.0 MiB" in table
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "fanout.png"
+    drawn, what = plot_fanout([result], str(target))
+    assert drawn and target.stat().st_size > 10_000, what
+
+
+def test_without_matplotlib_the_picture_is_a_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from zmqtransport.bench.plot import plot_fanout
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    drawn, what = plot_fanout([_mixed_result()], str(tmp_path / "x.png"))
+    assert not drawn and "zmqtransport[plot]" in what and not (tmp_path / "x.png").exists()
+    assert plot_fanout([], str(tmp_path / "y.png"))[0] is False

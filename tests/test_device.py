@@ -732,9 +732,9 @@ def test_cuda_striped_receive_lands_every_span_on_the_device(make_transport: Any
 def test_cuda_receivers_do_not_relay_device_memory(make_transport: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from zmqtransport.serve import scheduler
+    from zmqtransport import relayed
 
-    monkeypatch.setattr(scheduler, "RELAY_LOOPBACK", True)  # chain them, as receivers on other hosts
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)  # chain them, as receivers on other hosts
 
     sender = make_transport(chunk_bytes=1 << 20)
     receivers = [make_transport(device="cuda", progress=lambda done, total: time.sleep(0.002)) for _ in range(2)]

@@ -643,3 +643,71 @@ def test_a_relay_sigkilled_mid_transfer() -> None:
     served = [o["paths"] for o in outcomes if o["paths"].get(run.receivers[0], 0) > 0]
     assert served, [o["paths"] for o in outcomes]
     assert all(len(paths) >= 2 and sum(paths.values()) == RELAY_BYTES for paths in served), served
+
+
+# ----------------------------------------------------------------------------- swarm (issue 22)
+
+
+def _receive_on(lab: Lab, hosts: list[int], lead_bytes: int = 0) -> tuple[list[dict[str, Any]], list[str], int]:
+    """A source on host 0 and a receiver on each of ``hosts`` (repeats: several on one host).
+
+    With ``lead_bytes``, the first receiver asks first and the others once the
+    source has sent it that much. Returns the outcomes, the receivers' own
+    metadata, and the bytes host 0's NIC sent.
+    """
+    sender = lab_python(lab, 0, RELAY_SENDER, lab.address(0), str(RELAY_MIB), str(len(hosts)), stderr=False)
+    receivers = [
+        lab_python(lab, host, RELAY_RECEIVER, str(RELAY_MIB), "relay", "0", str(RELAY_TIMEOUT_S)) for host in hosts
+    ]
+    assert sender.stdout is not None and sender.stdin is not None
+    source = sender.stdout.readline().strip()
+    assert source, "the sender did not start"
+    before = lab.tx_bytes(0)
+    advertised = [_go(receivers[0], source)]
+    if lead_bytes:
+        _wait_until_sent(lab, before, lead_bytes)
+    advertised += [_go(receiver, source) for receiver in receivers[1:]]
+    outcomes = []
+    for receiver in receivers:
+        out, err = receiver.communicate(timeout=RELAY_TIMEOUT_S + 30)
+        assert receiver.returncode == 0, err
+        outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    uploaded = lab.tx_bytes(0) - before
+    sender.stdin.write("\n")
+    sender.stdin.flush()
+    assert sender.wait(30) == 0
+    return outcomes, advertised, uploaded
+
+
+@needs_lab
+def test_a_slow_first_receiver_holds_nobody_back() -> None:
+    # Receiver 1 asks first, on a link 4x slower than the others'. In a chain
+    # the two fast ones fetched everything through it, at its pace; in the
+    # swarm they fetch from the source and from each other as fast as each
+    # delivers, and take little from the slow one.
+    slow_rate = RELAY_RATE_MBIT / 4
+    with Lab(hosts=4, nics=1, rate_mbit=RELAY_RATE_MBIT, host_rates={1: slow_rate}) as lab:
+        outcomes, advertised, uploaded = _receive_on(lab, [1, 2, 3], lead_bytes=1 << 20)
+    assert all(outcome["exact"] for outcome in outcomes), outcomes
+    slow, *fast = outcomes
+    for outcome in fast:
+        assert sum(outcome["paths"].values()) == RELAY_BYTES
+        assert outcome["paths"].get(advertised[0], 0) < RELAY_BYTES // 2, outcome["paths"]
+        # Bound by their own links, they are done long before the slow one's link can carry the state.
+        assert outcome["seconds"] < slow["seconds"], (outcome["seconds"], slow["seconds"])
+    assert set(fast[0]["paths"]) - {advertised[0]}, "the fast receivers fetch beside the slow one"
+    assert uploaded < 2.5 * RELAY_BYTES, uploaded
+
+
+@needs_lab
+def test_receivers_on_the_sources_host_are_served_directly_whatever_address_they_use() -> None:
+    # Two receivers on the source's own host reach it over its lab address
+    # (not loopback), a third is on another host: only that one may serve or
+    # be served by others; the two local ones fetch everything from the source.
+    with Lab(hosts=2, nics=1, rate_mbit=RELAY_RATE_MBIT) as lab:
+        outcomes, advertised, _ = _receive_on(lab, [0, 0, 1])
+        source = f"tcp://{lab.address(0)}:"
+    assert all(outcome["exact"] for outcome in outcomes), outcomes
+    for outcome in outcomes[:2]:
+        assert list(outcome["paths"]) and all(endpoint.startswith(source) for endpoint in outcome["paths"]), outcome
+    assert all(advertised[0] not in outcome["paths"] and advertised[1] not in outcome["paths"] for outcome in outcomes)

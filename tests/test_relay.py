@@ -7,6 +7,7 @@ tests (tests/test_lab.py) and the benchmark (``--lab``) use real links.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -17,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from zmqtransport import ZMQTransport
-from zmqtransport.serve import scheduler
+from zmqtransport import ZMQTransport, relayed
+from zmqtransport.net import choose_advertise_host, is_local_address
 
 from .conftest import TIMEOUT
 
@@ -30,7 +31,7 @@ MIB = 1 << 20
 def relay_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     # Sources chain only receivers on other hosts by default (RELAY_LOOPBACK);
     # every receiver here is on loopback.
-    monkeypatch.setattr(scheduler, "RELAY_LOOPBACK", True)
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)
 
 
 def state(megabytes: int = 24, seed: int = 1) -> dict[str, Any]:
@@ -95,9 +96,9 @@ def test_three_receivers_at_once_cost_the_source_about_one_upload(make_transport
     # source, so the bound only says that relaying happened.)
     assert uploaded(sender) < 3 * nbytes(want)
     assert sum(r.sent_bytes for r in receivers) > 0  # what the relays forwarded
-    relayed = [r.last_recv_stats for r in receivers if sender.metadata() not in r.last_recv_stats.paths]
-    assert relayed, "some receiver must have received from a relay"
-    for stats in relayed:
+    helped = [r.last_recv_stats for r in receivers if set(r.last_recv_stats.paths) - {sender.metadata()}]
+    assert helped, "some receiver must have received from another"
+    for stats in helped:
         assert sum(stats.paths.values()) == stats.bytes
 
 
@@ -138,7 +139,7 @@ def test_a_relay_that_fails_mid_transfer_hands_its_downstream_to_the_source(make
 
 def _relay_child(metadata: str, step: int, killed_at: int) -> None:
     def die(done: int, total: int) -> None:
-        time.sleep(0.004)
+        time.sleep(0.02)  # slow enough that the other receiver fetches from it before it dies
         if done < killed_at:
             return
         # Die once this relay has forwarded a span to the downstream, which a
@@ -148,6 +149,7 @@ def _relay_child(metadata: str, step: int, killed_at: int) -> None:
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    relayed.RELAY_LOOPBACK = True  # a spawned process: the fixture's patch is not here
     receiver: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK, progress=die)
     receiver.recv_checkpoint(0, metadata, step, TIMEOUT)
 
@@ -159,8 +161,8 @@ def test_a_relay_killed_mid_transfer_costs_its_downstream_nothing_but_time(make_
     child = spawn.Process(target=_relay_child, args=(sender.metadata(), 1, nbytes(want) // 3))
     child.start()
     deadline = time.monotonic() + 30
-    while not sender._server._scheduler.chain.members and time.monotonic() < deadline:
-        time.sleep(0.01)  # until the child has asked for the header (and joined the chain)
+    while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the child has asked for the header (and joined the swarm)
     downstream = make_transport(progress=slow(0.002))
     got = downstream.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
     child.join(30)
@@ -170,14 +172,17 @@ def test_a_relay_killed_mid_transfer_costs_its_downstream_nothing_but_time(make_
     assert sender.metadata() in paths and len(paths) == 2  # the relay's part, then the source's
 
 
-def test_relay_memory_is_the_callers_once_its_receive_returns(make_transport: Any) -> None:
+def test_relay_memory_is_the_callers_once_its_receive_returns(
+    make_transport: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     # The relay receives in place and finishes first; its caller then scribbles
-    # over the tensors at once. The downstream, slower, must still get the
-    # source's bytes (its checksums would catch anything else).
+    # over the tensors at once. The other receiver, which fetched from it while
+    # it received, must still get the source's bytes, and never be sent a
+    # scribbled byte: its checksums would reject it and drop the relay.
     mine = state(seed=7)
     sender = make_transport(checksum=True)
-    relay = make_transport(state_dict=lambda: mine, progress=slow(0.002))
-    downstream = make_transport(progress=slow(0.08))  # outlasts the relay's tail (RELAY_TAIL, 1 s)
+    relay = make_transport(state_dict=lambda: mine, progress=slow(0.01))
+    downstream = make_transport(progress=slow(0.012))
     want = state(seed=8)
     sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
     results: list[Any] = [None, None]
@@ -187,16 +192,18 @@ def test_relay_memory_is_the_callers_once_its_receive_returns(make_transport: An
         mine["w"].fill_(float("nan"))
 
     first = threading.Thread(target=relay_then_scribble)
-    first.start()
-    deadline = time.monotonic() + 30
-    while not sender._server._scheduler.chain.members and time.monotonic() < deadline:
-        time.sleep(0.01)  # until the relay has asked for the header (and joined the chain)
-    results[1] = downstream.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
-    first.join(60)
+    with caplog.at_level(logging.INFO, logger="zmqtransport.fetch"):
+        first.start()
+        deadline = time.monotonic() + 30
+        while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the relay has asked for the header (and joined the swarm)
+        results[1] = downstream.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+        first.join(60)
     assert results[0]["w"] is mine["w"]
     assert same(results[1], want)
     paths = downstream.last_recv_stats.paths
     assert relay.metadata() in paths and sender.metadata() in paths
+    assert not [r for r in caplog.records if "checksum mismatch" in r.getMessage()]
 
 
 def test_a_late_receiver_fetches_from_the_source(make_transport: Any) -> None:
@@ -229,7 +236,7 @@ def test_relay_option_is_checked() -> None:
 def test_receivers_on_the_sources_host_are_not_chained_by_default(
     make_transport: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(scheduler, "RELAY_LOOPBACK", False)
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", False)
     sender = make_transport()
     receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]
     want = state()
@@ -237,13 +244,18 @@ def test_receivers_on_the_sources_host_are_not_chained_by_default(
     results = fetch_all(receivers, sender.metadata(), 1, stagger=0.02)
     assert all(same(got, want) for got in results)
     assert uploaded(sender) == 3 * nbytes(want)
-    assert not sender._server._scheduler.chain.members
+    assert not sender._server._scheduler.swarm.members
 
 
 @pytest.mark.parametrize(
-    ("address", "loopback"),
+    ("address", "local"),
     [("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("::ffff:127.0.0.1", True),
-     ("10.0.0.7", False), ("::ffff:10.0.0.7", False), ("fd00::1", False), ("unknown peer", False)],
+     ("192.0.2.7", False), ("::ffff:192.0.2.7", False), ("2001:db8::1", False), ("unknown peer", False)],
 )
-def test_loopback_peer_addresses(address: str, loopback: bool) -> None:
-    assert scheduler.is_loopback(address) is loopback
+def test_local_peer_addresses(address: str, local: bool) -> None:
+    assert is_local_address(address) is local
+
+
+def test_this_hosts_own_routable_address_is_local() -> None:
+    own = choose_advertise_host("*")
+    assert is_local_address(own)

@@ -108,6 +108,6 @@ def test_a_rogue_relay_changes_nothing(mode: str) -> None:
         assert sum(outcome["paths"].values()) == RELAY_MIB << 20, outcome
     rogue_endpoint = rogue_at.split("?")[0]
     # No logging configured: Python's last-resort handler writes WARNINGs (and above) to stderr.
-    named = [line for _, _, err in results for line in err.splitlines() if f"the relay at {rogue_endpoint}" in line]
+    named = [line for _, _, err in results for line in err.splitlines() if f"the peer at {rogue_endpoint}" in line]
     if mode != "shutdown":  # an honest relay that goes away is routine; a rogue is named
         assert named, [err for _, _, err in results]

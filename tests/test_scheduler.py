@@ -24,6 +24,7 @@ from zmqtransport.serve.scheduler import (
     Abort,
     Action,
     Finish,
+    Have,
     Limits,
     Refuse,
     Scheduler,
@@ -347,18 +348,13 @@ def test_a_transfer_with_credit_left_is_not_stalled(net: Net) -> None:
 # ----------------------------------------------------------------------------- disallow
 
 
-def test_disallow_ends_running_transfers_and_parks_later_requests(net: Net) -> None:
+def test_disallow_serves_no_new_receive_and_parks_later_requests(net: Net) -> None:
+    """Running transfers go on (tests/test_withdrawn.py); a new fetch waits for the next staging."""
     net.execute(net.scheduler.stage(staged(messages=100), net.now))
     net.request(b"a", fetch(credit=2))
-    net.request(b"b", fetch(credit=2))
     net.pump()
-    net.execute(net.scheduler.disallow())
-    for peer in (b"a", b"b"):
-        assert net.ops(peer) == [("header", None), ("error", wire.ERR_DISALLOWED)]
-    assert net.scheduler.transfers == {} and net.scheduler.staged is None
-    net.request(b"a", credit(1, 5))
-    net.pump()
-    assert net.data(b"a") == [0, 1]  # nothing after the disallow
+    assert net.scheduler.disallow(net.now, cap=1 << 30) == (1, 98)  # its 98 messages not sent, 1 byte each
+    assert net.scheduler.staged is None and net.ops(b"a") == [("header", None)]
     net.request(b"c", fetch())
     assert net.inbox.get(b"c") is None and len(net.scheduler.parked) == 1
     net.execute(net.scheduler.stage(staged(step=STEP), net.now))
@@ -639,30 +635,104 @@ def relayed(messages: int = 6, token: bytes = b"T" * 16, stage: int = 99) -> Any
     return Relayed(STEP, stage, token, plan, views=[memoryview(bytearray(range(messages)))])
 
 
-def test_relay_chain_sends_each_newcomer_to_the_newest_member(net: Net) -> None:
+def test_swarm_names_every_member_so_far_to_each_newcomer(net: Net) -> None:
     tokens = iter(bytes([n]) * 16 for n in range(1, 10))
     net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
     net.execute(net.scheduler.stage(staged(), net.now))
     orders = []
-    # Each offers to relay at its own address, and verifies what relays send (it offers an algorithm).
+    # Each offers to relay at its own address, and verifies what peers send (it offers an algorithm).
     hosts = {b"a": "10.0.0.1", b"b": "10.0.0.2", b"c": "10.0.0.3", b"d": "10.0.0.4", b"e": "10.0.0.5"}
 
-    def offer(peer: bytes, xfer: int = 1) -> list[Action]:
-        request = fetch(xfer=xfer, relay=f"tcp://{hosts[peer]}:1", verify=("sha256",))
+    def offer(peer: bytes, xfer: int = 1, verify: tuple[str, ...] = ("sha256",)) -> list[Action]:
+        request = fetch(xfer=xfer, relay=f"tcp://{hosts[peer]}:1", verify=verify)
         return net.scheduler.on_request(peer, request, hosts[peer], net.now)
 
     for peer in (b"a", b"b", b"c"):
         header = offer(peer)[0]
         assert isinstance(header, SendHeader)
         orders.append(header.relay)
-        # The first fetches from the source; the others get the header alone and a relay.
+        # A receiver of an earlier release that asks for everything is sent the
+        # header alone once there is a member to fetch from.
         assert header.header_only == (peer != b"a")
+    a, b = ("tcp://10.0.0.1:1", orders[0].token), ("tcp://10.0.0.2:1", orders[1].token)
+    assert [o.peers for o in orders] == [(), (a,), (a, b)]
+    # The newest member also comes as `from`, for receivers that know only a chain.
     assert [o.upstream for o in orders] == [None, "tcp://10.0.0.1:1", "tcp://10.0.0.2:1"]
-    assert orders[1].upstream_token == orders[0].token and orders[2].upstream_token == orders[1].token
-    net.scheduler.disconnected(b"c")  # c's receive ended: d is sent to b
-    assert offer(b"d", xfer=5)[0].relay.upstream == "tcp://10.0.0.2:1"
-    net.execute(net.scheduler.stage(staged(), net.now))  # a new staging: a new chain
-    assert offer(b"e", xfer=6)[0].relay.upstream is None
+    assert orders[2].upstream_token == orders[1].token
+    net.scheduler.disconnected(b"c")  # c's receive ended: it is no member any more
+    assert [at for at, _ in offer(b"d", xfer=5)[0].relay.peers] == ["tcp://10.0.0.1:1", "tcp://10.0.0.2:1"]
+    # One that does not verify is a member others may fetch from, but is named none.
+    assert offer(b"e", xfer=7, verify=())[0].relay.peers == ()
+    net.execute(net.scheduler.stage(staged(), net.now))  # a new staging: a new swarm
+    fresh = offer(b"e", xfer=6)[0].relay
+    assert fresh.peers == () and fresh.upstream is None
+
+
+def test_a_member_asking_the_source_learns_the_others_and_a_peer_says_what_it_holds(net: Net) -> None:
+    tokens = iter(bytes([n]) * 16 for n in range(1, 10))
+    net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
+    the_staged = staged()
+    net.execute(net.scheduler.stage(the_staged, net.now))
+    for peer, host in ((b"a", "10.0.0.1"), (b"b", "10.0.0.2")):
+        request = fetch(relay=f"tcp://{host}:1", header_only=True, verify=("sha256",))
+        net.scheduler.on_request(peer, request, host, net.now)
+    a_token = bytes([1]) * 16
+    ask = wire.Request(wire.OP_HAVE, 9, stage=the_staged.stage_id, token=a_token)
+    (answer,) = net.scheduler.on_request(b"a2", ask, "10.0.0.1", net.now)
+    assert isinstance(answer, Have) and answer.bits is None and answer.peers == (("tcp://10.0.0.2:1", bytes([2]) * 16),)
+    # As a member itself (a step it relays), this side answers with what has landed and what is coming.
+    relay = relayed()
+    net.execute(net.scheduler.relay(relay, net.now))
+    relay.landed_one(2, None)
+    relay.coming = 0b1000
+    ask = wire.Request(wire.OP_HAVE, 3, stage=relay.stage_id, token=relay.token)
+    (answer,) = net.scheduler.on_request(b"x", ask, "addr", net.now)
+    assert isinstance(answer, Have) and (answer.bits, answer.coming, answer.peers) == (0b100, 0b1000, ())
+    # Anything else: it serves nothing of that staging.
+    (answer,) = net.scheduler.on_request(b"x", wire.Request(wire.OP_HAVE, 4, stage=12345), "addr", net.now)
+    assert isinstance(answer, Refuse) and answer.code == wire.ERR_NOT_RELAYING
+
+
+def test_a_members_paths_on_every_address_it_asks_from_are_believed(net: Net) -> None:
+    tokens = iter(bytes([n]) * 16 for n in range(1, 10))
+    net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
+    the_staged = staged()
+    net.execute(net.scheduler.stage(the_staged, net.now))
+    # Two NICs: it offers both paths, but its header request comes over the first only.
+    offer = "tcp://10.0.0.1:5?paths=10.0.1.1:5,10.9.9.9:5"
+    request = fetch(relay=offer, header_only=True, verify=("sha256",))
+    net.scheduler.on_request(b"a", request, "10.0.0.1", net.now)
+    net.scheduler.on_request(b"b", fetch(relay="tcp://10.0.0.2:5", header_only=True, verify=("sha256",)),
+                             "10.0.0.2", net.now)
+    a_token, b_token = bytes([1]) * 16, bytes([2]) * 16
+
+    def members_seen_by_b() -> tuple[wire.Peer, ...]:
+        ask = wire.Request(wire.OP_HAVE, 9, stage=the_staged.stage_id, token=b_token)
+        (answer,) = net.scheduler.on_request(b"b2", ask, "10.0.0.2", net.now)
+        assert isinstance(answer, Have)
+        return answer.peers
+
+    assert members_seen_by_b() == (("tcp://10.0.0.1:5", a_token),)
+    # a asks the source over its second NIC: its path there is believed; 10.9.9.9 (no connection) never is.
+    net.scheduler.on_request(b"a2", wire.Request(wire.OP_HAVE, 3, stage=the_staged.stage_id, token=a_token),
+                             "10.0.1.1", net.now)
+    assert members_seen_by_b() == (("tcp://10.0.0.1:5?paths=10.0.1.1:5", a_token),)
+    # Someone else showing a's token from its own address changes nothing a did not offer.
+    net.scheduler.on_request(b"x", wire.Request(wire.OP_HAVE, 4, stage=the_staged.stage_id, token=a_token),
+                             "10.6.6.6", net.now)
+    assert members_seen_by_b() == (("tcp://10.0.0.1:5?paths=10.0.1.1:5", a_token),)
+
+
+def test_receivers_on_the_sources_own_host_join_no_swarm(net: Net) -> None:
+    net.scheduler = Scheduler(TIMEOUT, is_local=lambda address: address == "10.1.2.3")
+    net.execute(net.scheduler.stage(staged(), net.now))
+    request = fetch(relay="tcp://10.1.2.3:1", header_only=True, verify=("sha256",))
+    (local,) = net.scheduler.on_request(b"a", request, "10.1.2.3", net.now)
+    request = fetch(relay="tcp://10.9.9.9:1", header_only=True, verify=("sha256",))
+    (remote,) = net.scheduler.on_request(b"b", request, "10.9.9.9", net.now)
+    assert isinstance(local, SendHeader) and local.relay is None
+    assert isinstance(remote, SendHeader) and remote.relay is not None
+    assert [member.at for member in net.scheduler.swarm.members] == ["tcp://10.9.9.9:1"]
 
 
 def test_receiver_without_relay_offer_is_served_by_the_source(net: Net) -> None:
@@ -718,7 +788,8 @@ def test_disallow_of_the_staged_step_leaves_relayed_transfers_alone(net: Net) ->
     net.execute(net.scheduler.stage(staged(), net.now))
     net.request(b"down", fetch(xfer=1, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token))
     net.request(b"other", fetch(xfer=2))
-    net.execute(net.scheduler.disallow())
+    assert net.scheduler.disallow(net.now, cap=0) == (1, 8)  # "other": the relayed transfer is not the step's
+    net.tick(TIMEOUT)  # the withdrawn step's transfer ends at the timeout; the relayed one is untouched
     assert net.ops(b"other")[-1] == ("error", wire.ERR_DISALLOWED)
     assert list(net.scheduler.transfers) == [(b"down", 1)]
 
@@ -775,10 +846,31 @@ def test_malformed_relay_orders_are_refused(order: Any) -> None:
 
 
 def test_relay_order_round_trips() -> None:
-    order = wire.RelayOrder(b"t" * 16, "tcp://a:1", b"u" * 16)
+    order = wire.RelayOrder(b"t" * 16, "tcp://a:1", b"u" * 16, (("tcp://a:1", b"u" * 16), ("tcp://b:2", b"v" * 16)))
     envelope = msgpack.unpackb(wire.header_envelope(3, 4, order))
     assert wire.decode_relay_order(envelope["relay"]) == order
     assert "relay" not in msgpack.unpackb(wire.header_envelope(3, 4))
+
+
+def test_have_questions_and_answers_round_trip() -> None:
+    request = wire.decode_request(wire.have_request(7, 99, b"t" * 16))
+    assert (request.op, request.xfer, request.stage, request.token) == (wire.OP_HAVE, 7, 99, b"t" * 16)
+    peers = (("tcp://a:1", b"u" * 16),)
+    reply = wire.decode_reply(wire.have_reply(7, 0b1011, 12, peers, coming=0b100), False, "x")
+    assert (reply.op, reply.have, reply.coming, reply.peers) == (wire.OP_HAVE, 0b1011, 0b100, peers)
+    everything = wire.decode_reply(wire.have_reply(7, None, 12), False, "x")
+    assert everything.have is None and everything.peers == () and everything.coming == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"bits": "1"}, {"coming": 3}, {"peers": "x"}, {"peers": [["tcp://a:1"]]}, {"peers": [["tcp://a:1", b"x"]]},
+     {"peers": [[7, b"t" * 16]]}, {"peers": [["tcp://a:1", b"t" * 16]] * (wire.MAX_PEERS + 1)}],
+)
+def test_malformed_have_replies_are_refused(fields: dict[str, Any]) -> None:
+    message = {"v": wire.PROTOCOL_VERSION, "op": wire.OP_HAVE, "id": 1, **fields}
+    with pytest.raises(ProtocolError):
+        wire.decode_reply(msgpack.packb(message), False, "the peer")
 
 
 def test_relayed_downstream_peers_are_tracked_until_their_connection_closes(net: Net) -> None:

@@ -1,4 +1,4 @@
-"""The striped receive's plan (zmqtransport/spans.py), driven directly: fake streams, explicit time."""
+"""The striped receive's plan (zmqtransport/fetch/spans.py), driven directly: fake streams, explicit time."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from zmqtransport.fetch.spans import QUIET_FIRST, QUIET_MIN, SpanBook
+from zmqtransport.fetch.spans import FASTER_BY, QUIET_FIRST, QUIET_MIN, SOURCE, SpanBook
 
 
 def book(messages: int = 20, streams: int = 2, span: int = 4, depth: int = 2) -> SpanBook:
@@ -77,10 +77,10 @@ def test_lost_stream_gives_back_its_unfinished_spans_in_front() -> None:
     deliver(b, 1, 0.1, count=3)  # 0, 1, 2 landed; 3 missing
     gone = b.lost(0)
     assert {s.xfer for s in gone} == {1, 2}
-    assert list(b.queue)[:2] == [(4, 8), (3, 4)]
     assert b.assign(0, 9, 0.2) is None  # a lost stream gets nothing
     taken = [b.assign(1, 10, 0.2), b.assign(1, 11, 0.2)]
-    assert [(s.first, s.stop) for s in taken if s] == [(4, 8), (3, 4)]
+    # Its unfinished messages come first again: the lowest free messages are asked for first.
+    assert [(s.first, s.stop) for s in taken if s] == [(3, 7), (7, 11)]
     assert b.on_data(1, 3, 0.3) is None  # the lost stream's late message: no such span
 
 
@@ -156,17 +156,197 @@ def test_random_schedules_land_every_message_exactly_once(seed: int) -> None:
 
 
 def test_interrupted_stream_hands_its_spans_on_and_works_again_once_back() -> None:
-    b = SpanBook(12, 2, 4, depth=1, standby=frozenset({1}))
-    b.connected(0, True)
-    b.connected(1, True)
+    b = book(messages=12, streams=2, span=4, depth=1)
     first = b.assign(0, 1, 0.0)
-    assert first is not None and b.assign(1, 2, 0.0) is None  # the standby waits for the primary
+    assert first is not None
     b.on_data(1, 0, 0.1)
     assert [s.xfer for s in b.interrupted(0)] == [1]
     assert b.assign(0, 3, 0.2) is None  # not connected now
-    taken = b.assign(1, 4, 0.2)  # an interrupted primary no longer holds the standby back
-    assert taken is not None and (taken.first, taken.stop) == (1, 4)
+    taken = b.assign(1, 4, 0.2)
+    assert taken is not None and (taken.first, taken.stop) == (1, 5)
     b.connected(0, True)  # back
     again = b.assign(0, 5, 0.3)
-    assert again is not None and (again.first, again.stop) == (4, 8)
+    assert again is not None and (again.first, again.stop) == (5, 9)
     assert b.live() == [0, 1]
+
+
+def swarm(messages: int, span: int = 4, depth: int = 2, offset: int = 0) -> tuple[SpanBook, int, int]:
+    """A book with one stream to the source (0) and one to a peer (1), both connected."""
+    b = SpanBook(messages, 1, span, depth, offset=offset)
+    peer_stream = b.add_stream(7)
+    b.connected(0, True)
+    b.connected(peer_stream, True)
+    return b, 0, peer_stream
+
+
+def bits(*seqs: int) -> int:
+    return sum(1 << seq for seq in set(seqs))
+
+
+def test_a_peer_is_asked_only_for_what_it_holds() -> None:
+    b, _, peer = swarm(12)
+    assert b.assign(peer, 1, 0.0) is None  # a new peer holds nothing
+    b.holds(7, bits(4, 5, 6, 9))
+    span = b.assign(peer, 2, 0.0)
+    assert span is not None and (span.first, span.stop) == (4, 7)  # a run of held messages
+    span = b.assign(peer, 3, 0.0)
+    assert span is not None and (span.first, span.stop) == (9, 10)
+    assert b.assign(peer, 4, 0.0) is None  # depth 2
+
+
+def test_the_source_goes_first_to_what_no_peer_holds() -> None:
+    b, source, peer = swarm(12, span=2, depth=3)
+    b.holds(7, bits(0, 1, 2, 3))
+    asked = [b.assign(source, xfer, 0.0) for xfer in (1, 2, 3)]
+    assert [(s.first, s.stop) for s in asked if s] == [(4, 6), (6, 8), (8, 10)]
+    span = b.assign(peer, 4, 0.0)
+    assert span is not None and (span.first, span.stop) == (0, 2)
+
+
+def test_receivers_with_other_offsets_start_at_other_messages() -> None:
+    first, *_ = swarm(16, offset=0)
+    second, *_ = swarm(16, offset=8)
+    a, b = first.assign(0, 1, 0.0), second.assign(0, 1, 0.0)
+    assert a is not None and b is not None and (a.first, b.first) == (0, 8)
+    # Past the end of the plan the walk wraps around to what is still free.
+    for xfer in range(2, 6):
+        span = second.assign(0, xfer, 0.0)
+        if span is not None:
+            for seq in range(span.first, span.stop):
+                second.on_data(xfer, seq, 0.1)
+            second.on_end(xfer)
+    assert second.prefix() >= 4
+
+
+def test_a_slow_stream_is_overtaken_by_a_faster_one_with_nothing_to_do() -> None:
+    b, source, peer = swarm(8, span=4, depth=1)
+    b.holds(7, bits(*range(4)))
+    slow = b.assign(peer, 1, 0.0)
+    fast = b.assign(source, 2, 0.0)
+    assert slow is not None and fast is not None and (slow.first, fast.first) == (0, 4)
+    # The peer delivers a message every 0.4 s, the source one every 0.02 s.
+    b.on_data(1, 0, 0.4)
+    b.on_data(1, 1, 0.8)
+    for seq, now in zip(range(4, 8), (0.02, 0.04, 0.06, 0.08), strict=True):
+        b.on_data(2, seq, now)
+    b.on_end(2)
+    # Not quiet (it delivered 0.0 s ago), but FASTER_BY times slower: the source takes the rest.
+    assert b.quiet_after(peer) > 0.0
+    rest = b.assign(source, 3, 0.8)
+    assert rest is not None and (rest.first, rest.stop) == (2, 4) and slow.taken_over
+    assert FASTER_BY > 1
+
+
+def test_a_stream_of_equal_pace_is_not_overtaken() -> None:
+    b, source, peer = swarm(8, span=4, depth=1)
+    b.holds(7, bits(*range(4)))
+    one, two = b.assign(peer, 1, 0.0), b.assign(source, 2, 0.0)
+    assert one is not None and two is not None
+    for seq, now in zip(range(0, 2), (0.01, 0.02), strict=True):
+        b.on_data(1, seq, now)
+    for seq, now in zip(range(4, 8), (0.01, 0.02, 0.03, 0.04), strict=True):
+        b.on_data(2, seq, now)
+    b.on_end(2)
+    assert b.assign(source, 3, 0.03) is None
+
+
+def test_a_rejected_message_is_asked_for_again_and_a_forgotten_peer_gets_nothing() -> None:
+    b, source, peer = swarm(4, span=4, depth=1)
+    b.holds(7, bits(0, 1, 2, 3))
+    from_peer = b.assign(peer, 1, 0.0)
+    assert from_peer is not None
+    for seq in range(4):
+        assert b.on_data(1, seq, 0.1) is True
+    b.on_end(1)
+    assert b.complete
+    # Message 2's bytes did not match the source's digest: the peer is dropped, 2 is fetched again.
+    b.rejected([2])
+    assert not b.complete and b.prefix() == 2
+    assert b.forget_peer(7) == [peer]
+    assert b.assign(peer, 2, 0.2) is None
+    again = b.assign(source, 3, 0.2)
+    assert again is not None and (again.first, again.stop) == (2, 3)
+    assert b.on_data(3, 2, 0.3) is True and b.complete
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_swarm_schedules_land_every_message_exactly_once(seed: int) -> None:
+    rng = random.Random(seed)
+    messages = rng.randint(0, 60)
+    b = SpanBook(messages, 1, rng.randint(1, 5), rng.randint(1, 3), offset=rng.randint(0, 60))
+    b.connected(0, True)
+    peers = {b.add_stream(peer): peer for peer in (1, 2, 3)}
+    for stream in peers:
+        b.connected(stream, True)
+    held = {peer: 0 for peer in peers.values()}
+    dead = {stream for stream in peers if rng.random() < 0.3}
+    landed: list[int] = []
+    now, xfer = 0.0, 0
+    for _ in range(10_000):
+        if b.complete:
+            break
+        now += 0.01
+        for peer, have in held.items():  # peers land messages on their own and report them
+            held[peer] = have | 1 << rng.randrange(max(messages, 1))
+            b.holds(peer, held[peer])
+        for stream in b.live():
+            xfer += 1
+            b.assign(stream, xfer, now)
+        for span in list(b.spans.values()):
+            if span.xfer not in b.spans or span.stream in dead:
+                continue
+            for seq in range(span.next, min(span.stop, span.next + rng.randint(0, 3))):
+                assert span.stream == SOURCE or held[b.peer_of(span.stream)] >> seq & 1
+                if b.on_data(span.xfer, seq, now):
+                    landed.append(seq)
+            if span.finished and span.xfer in b.spans:
+                b.on_end(span.xfer)
+        if dead and rng.random() < 0.05:
+            b.lost(dead.pop())
+    assert b.complete
+    assert sorted(landed) == list(range(messages))
+
+
+def test_the_source_is_not_asked_for_what_a_peer_as_fast_holds_or_is_fetching() -> None:
+    b, source, peer = swarm(8, span=2, depth=4)
+    b.holds(7, bits(0, 1, 2, 3), coming=bits(4, 5))
+    asked = [b.assign(source, xfer, 0.0) for xfer in (1, 2, 3)]
+    assert [(s.first, s.stop) for s in asked if s] == [(6, 8)]  # only what nobody has or fetches
+    assert [(s.first, s.stop) for s in [b.assign(peer, 4, 0.0), b.assign(peer, 5, 0.0)] if s] == [(0, 2), (2, 4)]
+
+
+def test_the_source_is_asked_for_what_only_a_much_slower_peer_holds() -> None:
+    b, source, peer = swarm(12, span=1, depth=1)
+    b.holds(7, bits(*range(6)))
+
+    def fetch(stream: int, xfer: int, now: float) -> int:
+        span = b.assign(stream, xfer, now)
+        assert span is not None
+        b.on_data(xfer, span.first, now)
+        b.on_end(xfer)
+        return span.first
+
+    # The peer delivers a message every 100 ms, the source one every 10 ms (what no peer holds).
+    assert [fetch(peer, 1, 0.1), fetch(peer, 2, 0.2)] == [0, 1]
+    assert [fetch(source, 10 + n, 0.01 * (n + 1)) for n in range(6)] == [6, 7, 8, 9, 10, 11]
+    # Measured 10x slower than the source: what only it holds is fair game for the source now.
+    assert fetch(source, 20, 0.25) == 2
+
+
+def test_a_held_message_is_asked_of_nobody_else_and_counts_once_verified() -> None:
+    b, source, peer = swarm(4, span=4, depth=1)
+    b.holds(7, bits(0, 1, 2, 3))
+    span = b.assign(peer, 1, 0.0)
+    assert span is not None
+    for seq in range(4):
+        assert b.on_data(1, seq, 0.1, held=True) is True
+    b.on_end(1)
+    assert not b.complete and b.prefix() == 0
+    assert b.assign(source, 2, 0.1) is None  # held: asked of nobody else while it is checked
+    b.verified(0)
+    b.verified(1)
+    b.rejected([2, 3])  # did not match: wanted again
+    assert b.prefix() == 2 and b.missing == 2
+    b.forget_peer(7)
+    again = b.assign(source, 3, 0.2)
+    assert again is not None and (again.first, again.stop) == (2, 4)

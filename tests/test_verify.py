@@ -26,7 +26,7 @@ from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.errors import IntegrityError, ProtocolError
 from zmqtransport.fetch.spans import DEPTH, HELD, LANDED, MISSING, SpanBook
 from zmqtransport.fetch.verify import DigestBook, Verdict
-from zmqtransport.serve import chain, scheduler
+from zmqtransport.serve import scheduler, swarm
 from zmqtransport.serve.digests import DigestWork
 from zmqtransport.serve.router import Router
 from zmqtransport.serve.scheduler import Scheduler, SendHeader
@@ -94,9 +94,8 @@ def test_digest_book_asks_again_what_a_lost_stream_was_asked() -> None:
 
 
 def test_a_held_message_lands_only_once_verified_and_a_rejected_one_is_asked_again() -> None:
-    book = SpanBook(6, streams=2, span=3, standby=frozenset({1}))
+    book = SpanBook(6, streams=1, span=3)
     book.connected(0, True)
-    book.connected(1, True)
     span = book.assign(0, 7, 0.0)
     assert span is not None and (span.first, span.stop) == (0, 3)
     for seq in range(3):
@@ -105,7 +104,9 @@ def test_a_held_message_lands_only_once_verified_and_a_rejected_one_is_asked_aga
     book.verified(0)
     book.rejected([1, 2])
     assert list(book.landed[:3]) == [LANDED, MISSING, MISSING] and book.missing == 5
-    assert book.queue[0] == (1, 3)  # asked for again first
+    book.on_end(7)
+    again = book.assign(0, 8, 0.02)
+    assert again is not None and (again.first, again.stop) == (1, 4)  # asked for again first
     assert book.prefix() == 1
 
 
@@ -127,17 +128,19 @@ def test_a_held_message_is_not_asked_for_twice_while_it_is_checked() -> None:
 
 
 def test_a_relay_that_sends_nothing_is_taken_over_after_the_first_quiet_bound_and_then_found_idle() -> None:
-    # Stream 0 a relay (primary), stream 1 the source standing by.
-    book = SpanBook(8, streams=2, span=2, standby=frozenset({1}))
+    # Stream 0 the source, stream 1 a peer (it reported holding everything).
+    book = SpanBook(4, streams=1, span=2)
+    peer = book.add_stream(7)
+    book.holds(7, 0b1111)
     book.connected(0, True)
-    book.connected(1, True)
-    held = [book.assign(0, xfer, 0.0) for xfer in (1, 2)]
+    book.connected(peer, True)
+    held = [book.assign(peer, xfer, 0.0) for xfer in (1, 2)]
     assert all(span is not None for span in held)
-    assert book.assign(1, 3, 0.4) is None  # the source stands by
-    takeover = book.assign(1, 3, 0.5)  # nothing from the relay yet: QUIET_FIRST, not STANDBY_QUIET
+    assert book.assign(0, 3, 0.4) is None  # nothing free, nothing quiet yet
+    takeover = book.assign(0, 3, 0.5)  # nothing from the peer yet: QUIET_FIRST
     assert takeover is not None and (takeover.first, takeover.stop) == (0, 2)
-    assert held[0] is not None and book.idle_since_taken_over(held[0])
-    book.on_data(2, 2, 0.6, held=True)  # the relay sends something after all: not idle
+    assert held[0] is not None and book.idle_since_taken_over(held[0]) and book.did_nothing(held[0], 0.5)
+    book.on_data(2, 2, 0.6, held=True)  # the peer sends something after all: not idle
     assert not book.idle_since_taken_over(held[0])
 
 
@@ -196,13 +199,13 @@ def fetch(xfer: int = 1, **kwargs: Any) -> wire.Request:
 
 def test_an_offer_to_relay_is_kept_to_the_host_the_connection_comes_from() -> None:
     offer = "tcp://10.0.0.2:5000?curve=KEY&paths=10.9.9.9:5000,10.0.0.2:5001"
-    assert chain.believable_offer(offer, "10.0.0.2") == "tcp://10.0.0.2:5000?curve=KEY&paths=10.0.0.2:5001"
-    assert chain.believable_offer(offer, "::ffff:10.0.0.2") is not None  # an IPv4 peer on a dual-stack socket
-    assert chain.believable_offer("tcp://10.9.9.9:5000?paths=10.0.0.2:7", "10.0.0.2") == "tcp://10.0.0.2:7"
-    assert chain.believable_offer("tcp://victim.example:80", "10.0.0.2") is None  # names are not resolved
-    assert chain.believable_offer("tcp://10.9.9.9:80", "10.0.0.2") is None
-    assert chain.believable_offer("not metadata", "10.0.0.2") is None
-    assert chain.believable_offer("tcp://10.0.0.2:1", "unknown peer") is None
+    assert swarm.believable_offer(offer, "10.0.0.2") == "tcp://10.0.0.2:5000?curve=KEY&paths=10.0.0.2:5001"
+    assert swarm.believable_offer(offer, "::ffff:10.0.0.2") is not None  # an IPv4 peer on a dual-stack socket
+    assert swarm.believable_offer("tcp://10.9.9.9:5000?paths=10.0.0.2:7", "10.0.0.2") == "tcp://10.0.0.2:7"
+    assert swarm.believable_offer("tcp://victim.example:80", "10.0.0.2") is None  # names are not resolved
+    assert swarm.believable_offer("tcp://10.9.9.9:80", "10.0.0.2") is None
+    assert swarm.believable_offer("not metadata", "10.0.0.2") is None
+    assert swarm.believable_offer("tcp://10.0.0.2:1", "unknown peer") is None
 
 
 def test_only_a_receiver_that_verifies_is_sent_to_a_relay_and_only_offers_from_their_own_host() -> None:
@@ -258,7 +261,7 @@ def test_digest_requests_are_answered_with_bounded_hashing_per_round() -> None:
     ]:
         refusal = sched.on_request(b"r", bad, "10.0.0.9", 0.0)
         assert [a.code for a in refusal] == [code]  # type: ignore[union-attr]
-    sched.disallow()
+    sched.disallow(0.0, cap=0)  # nothing of it runs: nothing is kept
     assert [a.code for a in sched.on_request(b"r", request, "10.0.0.9", 0.0)] == ["disallowed"]  # type: ignore[union-attr]
 
 
@@ -289,7 +292,7 @@ def test_digests_of_device_memory_come_from_what_the_pump_sends() -> None:
 
 @pytest.fixture(autouse=True)
 def relay_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scheduler, "RELAY_LOOPBACK", True)
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)
 
 
 def state(megabytes: int = 16, seed: int = 3) -> dict[str, Any]:
@@ -339,14 +342,14 @@ def garbling(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(relayed.Relayed, "payload", payload)
 
 
-def silent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Relays take span fetches and send nothing; returns the spans they were asked for."""
-    asked: list[tuple[int, int]] = []
+def silent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, tuple[int, int]]]:
+    """Relays take span fetches and send nothing; returns the spans they were asked for, by which scheduler."""
+    asked: list[tuple[int, tuple[int, int]]] = []
     honest = Scheduler._start_relayed
 
     def start(self: Scheduler, peer: bytes, request: wire.Request, address: str, now: float) -> Any:
         assert request.span is not None
-        asked.append(request.span)
+        asked.append((id(self), request.span))
         return honest(self, peer, request, address, now)
 
     monkeypatch.setattr(Scheduler, "_start_relayed", start)
@@ -354,7 +357,9 @@ def silent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return asked
 
 
-def _heal_behind_a_rogue(make_transport: Any, caplog: pytest.LogCaptureFixture, **downstream: Any) -> tuple[Any, Any]:
+def _heal_behind_a_rogue(
+    make_transport: Any, caplog: pytest.LogCaptureFixture, **downstream: Any
+) -> tuple[Any, Any, Any]:
     """The source, a rogue at the head of its chain, and an honest receiver sent to it; the honest outcome."""
     sender = make_transport(checksum=True)
     rogue = make_transport(progress=slow(0.02))
@@ -365,14 +370,14 @@ def _heal_behind_a_rogue(make_transport: Any, caplog: pytest.LogCaptureFixture, 
     head = threading.Thread(target=lambda: rogue_done.append(_receive(rogue, sender)))
     head.start()
     deadline = time.monotonic() + 20
-    while not sender._server._scheduler.chain.members and time.monotonic() < deadline:
+    while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
         time.sleep(0.005)  # until the rogue heads the chain
     with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
         got = honest.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
     head.join(30)
     assert same(got, want)
     named = [r.getMessage() for r in caplog.records if rogue.metadata() in r.getMessage()]
-    return honest.last_recv_stats, named
+    return honest.last_recv_stats, named, rogue
 
 
 def _receive(transport: ZMQTransport[Any], sender: ZMQTransport[Any]) -> Any:
@@ -391,7 +396,7 @@ def test_a_rogue_relay_changes_nothing_and_is_named(
     rogue: Any, make_transport: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     rogue(monkeypatch)
-    stats, named = _heal_behind_a_rogue(make_transport, caplog)
+    stats, named, _ = _heal_behind_a_rogue(make_transport, caplog)
     assert named, [r.getMessage() for r in caplog.records]
     assert "WARNING" in {r.levelname for r in caplog.records if r.getMessage() in named}
     assert sum(stats.paths.values()) == stats.bytes
@@ -402,7 +407,7 @@ def test_an_in_place_receive_keeps_no_forged_byte(
 ) -> None:
     forging(monkeypatch)
     mine = state(seed=9)
-    stats, named = _heal_behind_a_rogue(make_transport, caplog, state_dict=lambda: mine)
+    stats, named, _ = _heal_behind_a_rogue(make_transport, caplog, state_dict=lambda: mine)
     assert named and stats.in_place_bytes == stats.bytes
     assert same(mine, state())  # the caller's own tensors hold the source's bytes, every one
 
@@ -421,7 +426,7 @@ def test_a_rogue_relay_ahead_of_a_device_receive(
     head = threading.Thread(target=_receive, args=(rogue, sender))
     head.start()
     deadline = time.monotonic() + 20
-    while not sender._server._scheduler.chain.members and time.monotonic() < deadline:
+    while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
         time.sleep(0.005)
     with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
         got = honest.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
@@ -436,10 +441,11 @@ def test_a_relay_that_serves_nothing_costs_one_quiet_bound(
     # Dropped at its first quiet bound (the source takes over then): never asked for more, so
     # it costs one bound, not one per pair of spans as it would if it were kept (16 MiB: 4 spans).
     asked = silent(monkeypatch)
-    stats, named = _heal_behind_a_rogue(make_transport, caplog, stall_timeout=None)
+    stats, named, rogue = _heal_behind_a_rogue(make_transport, caplog, stall_timeout=None)
     assert named and "sent nothing" in named[0]
     assert list(stats.paths) == [stats.peer]
-    assert len(asked) <= DEPTH, asked
+    of_the_rogue = [span for who, span in asked if who == id(rogue._server._scheduler)]
+    assert len(of_the_rogue) <= DEPTH, asked
 
 
 def test_a_source_without_digests_is_never_relayed_from(
@@ -448,13 +454,13 @@ def test_a_source_without_digests_is_never_relayed_from(
     # An earlier source: it chains every receiver that offers, and publishes no digests.
     forging(monkeypatch)
     monkeypatch.setattr(scheduler.digests, "choose", lambda names: None)
-    honest_join = chain.Chain.join
+    honest_join = swarm.Swarm.join
 
-    def join(self: chain.Chain, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
+    def join(self: swarm.Swarm, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
         return honest_join(self, peer, at, token)
 
-    monkeypatch.setattr(chain.Chain, "join", join)
-    stats, _ = _heal_behind_a_rogue(make_transport, caplog)
+    monkeypatch.setattr(swarm.Swarm, "join", join)
+    stats, _, _ = _heal_behind_a_rogue(make_transport, caplog)
     assert list(stats.paths) == [stats.peer]  # everything from the source, nothing from the relay it was sent to
     sender = make_transport()
     sender.send_checkpoint([1], 2, state(1), TIMEOUT)

@@ -21,7 +21,7 @@ from .errors import (
     TransportError,
     VersionMismatchError,
 )
-from .stats import TransferStats
+from .stats import DisallowStats, TransferStats
 from .transport import ZMQTransport
 from .wire import PROTOCOL_VERSION
 
@@ -30,6 +30,7 @@ __all__ = [
     "BindError",
     "CheckpointTransport",
     "ConnectionLostError",
+    "DisallowStats",
     "IntegrityError",
     "ProtocolError",
     "RemoteError",

@@ -117,6 +117,32 @@ def _parse_hostport(hostport: str, metadata: str) -> Path:
     return Path(host, int(port_text))
 
 
+def is_local_address(address: str) -> bool:
+    """Whether ``address`` (an IP address as a socket reports it; IPv4-mapped IPv6 too) belongs to this host.
+
+    Loopback, or an address of one of this host's interfaces (in its network
+    namespace): a socket can bind to it. A hostname or anything else that is
+    not an IP address is not recognised (False).
+    """
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0].strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    ip = mapped or ip
+    if ip.is_loopback:
+        return True
+    if ip.is_unspecified or ip.is_multicast:
+        return False
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(ip), 0))
+        except OSError:
+            return False
+    return True
+
+
 def split_hosts(value: str | Sequence[str], option: str) -> list[str]:
     """A host list from a sequence or a comma-separated string; ``ValueError`` naming ``option`` if empty."""
     if isinstance(value, str):

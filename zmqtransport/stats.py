@@ -2,8 +2,9 @@
 
 The receiving side fills one :class:`TransferStats` per ``recv_checkpoint``
 (``ZMQTransport.last_recv_stats``); the sending side one per transfer it served
-(``last_send_stats``, ``sent_since``). Kept apart so that neither side imports
-the other.
+(``last_send_stats``, ``sent_since``), and one :class:`DisallowStats` per
+``disallow_checkpoint`` (``last_disallow_stats``). Kept apart so that neither
+side imports the other.
 """
 
 from __future__ import annotations
@@ -32,3 +33,16 @@ class TransferStats:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class DisallowStats:
+    """What the last ``disallow_checkpoint`` did; read it from :attr:`ZMQTransport.last_disallow_stats`."""
+
+    seconds: float = 0.0  # the caller was held this long
+    receives: int = 0  # receives of the step running at the call, finished since from the snapshot (or waited for)
+    needed_bytes: int = 0  # what they could still ask for at the call (not sent yet; all of it for striped ones)
+    snapshot_bytes: int = 0  # copied so that they could finish without the caller's tensors (the network
+    # went on meanwhile: the copy stops where it has been)
+    snapshot_seconds: float = 0.0  # of ``seconds``: taking that copy
+    waited: bool = False  # what they needed exceeded the cap (``snapshot_bytes``): the call waited for them

@@ -34,7 +34,7 @@ from .gcpause import paused_gc
 from .net import PeerAddress, advertised_hosts, parse_metadata, paths_with_ports, split_hosts
 from .serve import Server
 from .serve.staged import stage
-from .stats import TransferStats
+from .stats import DisallowStats, TransferStats
 
 T = TypeVar("T")
 
@@ -84,7 +84,7 @@ class ZMQTransport(CheckpointTransport[T]):
     Args:
         timeout: the transport timeout: bounds a whole receive, and
             ``disallow_checkpoint`` never waits longer than this for receivers
-            to let go of the staged memory.
+            to let go of the staged memory (nor serves a snapshot longer).
         stall_timeout: the stall bound (``timedelta`` or seconds; default 5 s;
             ``None``: no bound but ``timeout``), distinct from ``timeout``,
             which a large checkpoint on a slow link may need to be long. When
@@ -100,12 +100,20 @@ class ZMQTransport(CheckpointTransport[T]):
             is stalled: its transfer is dropped (error ``stalled``), and the
             zero-copy frames queued for it are released by closing and
             rebinding the socket as soon as no progressing receiver would lose
-            data, at the latest when ``disallow_checkpoint`` is called, which
-            then does not wait for it. A receiver that makes progress, however
+            data, at the latest when ``disallow_checkpoint`` waits for them,
+            which then does not wait longer. A receiver that makes progress, however
             slowly, is never cut. It must exceed the time one data message
             (``chunk_bytes``) takes on the slowest link. A receiver whose
             connection closes (process killed, connection reset) is dropped at
             once. See docs/protocol.md, "Liveness".
+        snapshot_bytes: the most memory ``disallow_checkpoint`` may copy into
+            so that receives running at the call finish without the caller's
+            tensors (its snapshot; all snapshots alive together). ``None``
+            (default): a quarter of the memory the system reports available at
+            the call. When what the running receives may still ask for exceeds
+            it, the call waits for them instead (as HTTPTransport's does),
+            until what they still need fits, they end, or they stall; ``0``
+            always waits. See docs/protocol.md, "Releasing staged memory".
         bind_host: interface to listen on; ``"*"`` (default) means all of them.
             A list (or a comma-separated string) listens on each address:
             one path per network (docs/protocol.md, "Paths").
@@ -136,27 +144,30 @@ class ZMQTransport(CheckpointTransport[T]):
             stalls mid-transfer has its spans fetched over the others
             (docs/protocol.md, "Spans"). Needs a sender of this release; an
             older one is read over one connection.
-        relay: when several receivers fetch one step from one source at the
-            same time, forward what this receiver has received to the next
-            one, so the source uploads the state about once rather than once
-            per receiver (docs/protocol.md, "Relays"). On by default; it
-            costs this receiver its upload bandwidth while it receives, and
-            ``recv_checkpoint`` returns at most ``zmqtransport.fetch.relaying.RELAY_TAIL``
-            (1 s) after its own data is complete, never serving from the
-            received memory after it returns. ``False``: never relay, and
-            fetch from the source only.
+        relay: when several receivers on other hosts fetch one step from one
+            source at the same time, they form a swarm: each fetches from the
+            source and from the others, every peer as fast as it delivers,
+            and serves what it has received to them, so the source uploads
+            the state about once rather than once per receiver and a slow
+            receiver holds nobody back (docs/protocol.md, "Swarm"). On by
+            default; it costs this receiver upload bandwidth while it
+            receives, and ``recv_checkpoint`` returns at most
+            ``zmqtransport.fetch.relaying.RELAY_TAIL`` (10 ms) after its own
+            data is complete, never serving from the received memory after
+            it returns. ``False``: never relay, and fetch from the source only.
         verify: which received bytes are checked against the strong digests
             (SHA-256, or BLAKE3 with the ``blake3`` extra on both sides) that
             the source publishes over this receiver's own connection to it
             (docs/protocol.md, "Digests"). ``"relayed"`` (default): every
-            message a relay sends; a relay whose bytes do not match, or that
-            answers anything but good data, is dropped for the receive (a
-            WARNING names it) and its part is fetched again, so a modified peer
-            that offered to relay changes nothing. ``"all"``: the source's own
-            messages too (end-to-end, against corruption anywhere on the way;
-            costs the source and the receiver one hash pass each, see
-            README). A source that publishes no digests (an earlier release)
-            is never relayed from; ``"all"`` refuses to receive from it.
+            message another receiver sends; a peer whose bytes do not match,
+            or that answers anything but good data, is dropped for the
+            receive (a WARNING names it) and its part is fetched again, so a
+            modified peer that offered to relay changes nothing. ``"all"``:
+            the source's own messages too (end-to-end, against corruption
+            anywhere on the way; costs the source and the receiver one hash
+            pass each, see README). A source that publishes no digests (an
+            earlier release) is never relayed from; ``"all"`` refuses to
+            receive from it.
         allow_pickle: send objects that have no pickle-free encoding as pickle,
             and accept pickled objects when receiving. Off by default: a peer's
             pickle can run arbitrary code. Both sides must opt in.
@@ -206,6 +217,7 @@ class ZMQTransport(CheckpointTransport[T]):
         timeout: timedelta,
         *,
         stall_timeout: timedelta | float | None = DEFAULT_STALL_TIMEOUT,
+        snapshot_bytes: int | None = None,
         bind_host: str | Sequence[str] = "*",
         port: int = 0,
         advertise_host: str | Sequence[str] | None = None,
@@ -233,6 +245,8 @@ class ZMQTransport(CheckpointTransport[T]):
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
         _check_receiving(streams, relay, verify)
+        if snapshot_bytes is not None and (type(snapshot_bytes) is not int or snapshot_bytes < 0):
+            raise ValueError(f"snapshot_bytes={snapshot_bytes!r}: must be None or an integer >= 0")
         bind_hosts = split_hosts(bind_host, "bind_host")
         # Chosen (and checked) before anything is acquired; the ports follow the binds.
         advertised = advertised_hosts(bind_hosts, advertise_host)
@@ -248,7 +262,7 @@ class ZMQTransport(CheckpointTransport[T]):
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
         self._shutdown_lock, self._shut_down = threading.Lock(), False
         self._zap: security.ZapHandler | None = None
-        params = self._start_server(bind_hosts, port, stall_seconds)
+        params = self._start_server(bind_hosts, port, stall_seconds, snapshot_bytes)
         first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
         self._address = PeerAddress(first.host, first.port, params, tuple(more))
         self._fetch_options = FetchOptions(
@@ -266,8 +280,11 @@ class ZMQTransport(CheckpointTransport[T]):
             verify=verify,
         )
         self.last_recv_stats: TransferStats | None = None
+        self.last_disallow_stats: DisallowStats | None = None
 
-    def _start_server(self, bind_hosts: list[str], port: int, stall_seconds: float | None) -> dict[str, str]:
+    def _start_server(
+        self, bind_hosts: list[str], port: int, stall_seconds: float | None, snapshot_bytes: int | None
+    ) -> dict[str, str]:
         """Bind and start serving (the ZAP handler first, with CurveZMQ); the metadata parameters.
 
         On failure nothing stays open: the context is terminated before the error propagates.
@@ -289,6 +306,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 configure=configure,
                 staging=self._staging,
                 stall=stall_seconds,
+                snapshot_bytes=snapshot_bytes,
             )
         except BaseException:
             # The Server closed its own socket; the ZAP handler's thread and
@@ -312,7 +330,7 @@ class ZMQTransport(CheckpointTransport[T]):
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
         """Stage ``state_dict`` as ``step`` and return at once; receivers pull it.
 
-        The tensors are not copied (CPU ones): do not mutate them until
+        The tensors are not copied: do not mutate them until
         :meth:`disallow_checkpoint` returns. Raises ``TypeError`` naming the key
         path of any leaf that cannot be sent.
         """
@@ -330,9 +348,17 @@ class ZMQTransport(CheckpointTransport[T]):
         self._server.stage(staged)
 
     def disallow_checkpoint(self) -> None:
-        """Stop serving; returns once ZeroMQ no longer references the staged tensors."""
+        """Serve the staged step to no new receiver; the caller may mutate its tensors once this returns.
+
+        Receives running at the call complete with the staged bytes, from a
+        copy of what they may still ask for (at most ``snapshot_bytes``):
+        this returns once that copy is taken and ZeroMQ no longer references
+        the tensors, not once the receives are done. Beyond the cap it waits
+        for them (within the stall bound for one that takes no data, and the
+        timeout). :attr:`last_disallow_stats` says what it did.
+        """
         if not self._shut_down:
-            self._server.disallow()
+            self.last_disallow_stats = self._server.disallow()
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Fetch ``step`` from the transport whose :meth:`metadata` is ``metadata``.

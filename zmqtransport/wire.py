@@ -23,6 +23,8 @@ PROTOCOL_VERSION = 1
 OP_FETCH = "fetch"
 OP_CREDIT = "credit"
 OP_CANCEL = "cancel"
+# Both ways: a receiver asks a peer (or the source) what it holds; the reply says (docs/protocol.md, "Swarm").
+OP_HAVE = "have"
 # Operations, sender -> receiver.
 OP_HEADER = "header"
 OP_DATA = "data"
@@ -30,8 +32,8 @@ OP_END = "end"
 OP_ERROR = "error"
 OP_DIGESTS = "digests"  # the source's digests of a span's data messages (docs/protocol.md, "Digests")
 
-REQUEST_OPS = (OP_FETCH, OP_CREDIT, OP_CANCEL)
-REPLY_OPS = (OP_HEADER, OP_DATA, OP_END, OP_ERROR, OP_DIGESTS)
+REQUEST_OPS = (OP_FETCH, OP_CREDIT, OP_CANCEL, OP_HAVE)
+REPLY_OPS = (OP_HEADER, OP_DATA, OP_END, OP_ERROR, OP_DIGESTS, OP_HAVE)
 
 # Error codes carried by OP_ERROR replies. The two for undecodable requests are
 # the codes of the exceptions the decoders raise, so a server answers with exc.code.
@@ -59,6 +61,7 @@ MAX_STEP = 2**63 - 1
 MAX_MESSAGES = 2**32  # bound on a span's data message numbers (a plan has far fewer)
 MAX_METADATA_CHARS = 4096  # a relay's metadata string in a request or header envelope
 RELAY_TOKEN_BYTES = 16
+MAX_PEERS = 64  # peers one swarm member is told about (a relay order, a have reply)
 MAX_DIGEST_BYTES = 64  # one digest (both algorithms give 32 bytes)
 # Most storages and tensor-table entries one header may describe. Each costs the
 # receiver Python objects and an allocation even when empty, so without a cap a
@@ -113,7 +116,7 @@ class Request:
     # staged as ``stage``, without a header (docs/protocol.md, "Spans").
     span: tuple[int, int] | None = None
     stage: int | None = None
-    # Relays (docs/protocol.md, "Relays"): a header fetch offering to relay
+    # Relays (docs/protocol.md, "Swarm"): a header fetch offering to relay
     # gives where the receiver serves (its metadata); a span fetch to a relay
     # shows the token the source handed out for it.
     relay: str | None = None
@@ -169,6 +172,14 @@ def decode_request(frame: bytes | memoryview) -> Request:
         if not 1 <= credit <= MAX_CREDIT:
             raise ProtocolError(f"credit {credit} out of range")
         return Request(op, xfer, credit=credit)
+    if op == OP_HAVE:
+        stage = _field(message, "stage", int)
+        if not 0 <= stage < 2**64:
+            raise ProtocolError("field 'stage' must be an unsigned 64-bit integer")
+        token = message.get("token")
+        if token is not None and (not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES):
+            raise ProtocolError(f"field 'token' must be {RELAY_TOKEN_BYTES} bytes")
+        return Request(op, xfer, stage=stage, token=token)
     return Request(op, xfer)
 
 
@@ -260,6 +271,30 @@ def fetch_request(
     return pack(message)
 
 
+def have_request(xfer: int, stage: int, token: bytes | None) -> bytes:
+    """What do you hold of staging ``stage``? ``token``: the peer's (asking a relay) or the asker's own (the source)."""
+    message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HAVE, "id": xfer, "stage": stage}
+    if token is not None:
+        message["token"] = token
+    return pack(message)
+
+
+def have_reply(
+    xfer: int, bits: int | None, messages: int, peers: Sequence[Peer] = (), coming: int = 0
+) -> bytes:
+    """What this side holds (``bits``: a bit per data message; None: everything, the source), what it is
+    fetching now (``coming``) and, from the source, the swarm's other members."""
+    message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HAVE, "id": xfer}
+    size = (messages + 7) // 8
+    if bits is not None:
+        message["bits"] = bits.to_bytes(size, "little")
+    if coming:
+        message["coming"] = coming.to_bytes(size, "little")
+    if peers:
+        message["peers"] = [[at, token] for at, token in peers]
+    return pack(message)
+
+
 def credit_request(xfer: int, n: int) -> bytes:
     return pack({"v": PROTOCOL_VERSION, "op": OP_CREDIT, "id": xfer, "n": n})
 
@@ -312,6 +347,9 @@ class Reply:
     text: str = ""
     digest: str | None = None
     dg: bytes | None = None
+    have: int | None = None  # a have reply's bit set (None: holds everything)
+    coming: int = 0  # a have reply's messages being fetched
+    peers: tuple[Peer, ...] = ()  # a have reply's swarm members, from the source
 
 
 def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
@@ -351,6 +389,13 @@ def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
         return Reply(op, xfer, more, code=str(message.get("code", "unknown")), text=str(message.get("msg", "")))
     if op == OP_END:
         return Reply(op, xfer, more)
+    if op == OP_HAVE:
+        bits, coming = message.get("bits"), message.get("coming", b"")
+        if (bits is not None and not isinstance(bits, bytes)) or not isinstance(coming, bytes):
+            raise ProtocolError(f"a have reply's 'bits' and 'coming' must be bytes, from {who}")
+        have = None if bits is None else int.from_bytes(bits, "little")
+        fetching = int.from_bytes(coming, "little")
+        return Reply(op, xfer, more, have=have, coming=fetching, peers=decode_peers(message.get("peers")))
     raise ProtocolError(f"unknown reply op {op!r} from {who}")
 
 
@@ -394,7 +439,7 @@ def header_envelope(
     """``stage``: the staging's id, which also says that this sender serves span fetches.
 
     ``relay``: for a receiver that offered to relay, the token it serves
-    under and where to fetch from instead of this sender (docs/protocol.md, "Relays").
+    under and where to fetch from instead of this sender (docs/protocol.md, "Swarm").
     ``digest``: for a receiver that offered to verify, the algorithm of the
     digests this sender serves it (docs/protocol.md, "Digests").
     """
@@ -408,17 +453,48 @@ def header_envelope(
         if relay.upstream is not None:
             order["from"] = relay.upstream
             order["from_token"] = relay.upstream_token
+        if relay.peers:
+            order["peers"] = [[at, token] for at, token in relay.peers]
         message["relay"] = order
     return pack(message)
 
 
+# A member of a staging's swarm: where it serves (its metadata) and the token to show it.
+Peer = tuple[str, bytes]
+
+
 @dataclass(frozen=True)
 class RelayOrder:
-    """What a source tells a receiver that offered to relay (the ``relay`` map of a header envelope)."""
+    """What a source tells a receiver that offered to relay (the ``relay`` map of a header envelope).
+
+    ``peers``: every member of the staging's swarm so far, to fetch from
+    beside the source (docs/protocol.md, "Swarm"). ``upstream`` is the newest
+    of them, for receivers that know only a chain.
+    """
 
     token: bytes  # serve span fetches that show this token, for this staging
     upstream: str | None = None  # fetch spans from this relay (its metadata) ...
     upstream_token: bytes | None = None  # ... showing this token
+    peers: tuple[Peer, ...] = ()
+
+
+def decode_peers(value: Any) -> tuple[Peer, ...]:
+    """Validate a list of ``[metadata, token]`` pairs (None: none)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_PEERS:
+        raise ProtocolError(f"'peers' must be a list of at most {MAX_PEERS} [metadata, token] pairs")
+    peers = []
+    for entry in value:
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise ProtocolError("a peer must be [metadata, token]")
+        at, token = entry
+        if not isinstance(at, str) or not 0 < len(at) <= MAX_METADATA_CHARS:
+            raise ProtocolError("a peer's metadata must be a string")
+        if not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES:
+            raise ProtocolError(f"a peer's token must be {RELAY_TOKEN_BYTES} bytes")
+        peers.append((at, token))
+    return tuple(peers)
 
 
 def decode_relay_order(order: Any) -> RelayOrder | None:
@@ -430,13 +506,14 @@ def decode_relay_order(order: Any) -> RelayOrder | None:
     token, upstream, upstream_token = order.get("token"), order.get("from"), order.get("from_token")
     if not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES:
         raise ProtocolError(f"relay token must be {RELAY_TOKEN_BYTES} bytes")
+    peers = decode_peers(order.get("peers"))
     if upstream is None and upstream_token is None:
-        return RelayOrder(token)
+        return RelayOrder(token, peers=peers)
     if not isinstance(upstream, str) or not 0 < len(upstream) <= MAX_METADATA_CHARS:
         raise ProtocolError("relay field 'from' must be a metadata string")
     if not isinstance(upstream_token, bytes) or len(upstream_token) != RELAY_TOKEN_BYTES:
         raise ProtocolError(f"relay field 'from_token' must be {RELAY_TOKEN_BYTES} bytes")
-    return RelayOrder(token, upstream, upstream_token)
+    return RelayOrder(token, upstream, upstream_token, peers)
 
 
 def decode_header(message: dict[str, Any]) -> Header:

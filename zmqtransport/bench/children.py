@@ -24,7 +24,15 @@ from typing import Any
 from ..lab import enter_namespace
 from .config import Knobs, Scenario
 from .methods import METHODS, Place, Receiving, RecvEnv, SendEnv, Serving, ZmqMethod
-from .payload import PeakMeter, check, make_tensors, release_free_memory, stamp
+from .payload import (
+    PeakMeter,
+    check,
+    check_every_element,
+    make_tensors,
+    memcpy_seconds,
+    release_free_memory,
+    stamp,
+)
 from .rogue import become_rogue, shutdown_halfway
 
 
@@ -92,6 +100,19 @@ class SenderProcess:
     def release(self, method: str, step: int, receives: int) -> None:
         self.servings[method].release(step, receives)
 
+    def disallow(self, method: str, add: float) -> dict[str, float]:
+        """disallow_checkpoint mid-transfer (timed), then ``add`` to every tensor (an optimizer step)."""
+        started = time.perf_counter()
+        said = self.servings[method].disallow()
+        seconds = time.perf_counter() - started
+        for tensor in self.tensors:
+            tensor.add_(add)
+        return {"seconds": seconds, "needed_bytes": said.get("needed", 0), "snapshot_bytes": said.get("copied", 0)}
+
+    def memcpy(self, nbytes: int) -> float:
+        """Issue 23's yardstick, once the receives are done: one memcpy of ``nbytes`` into fresh memory."""
+        return memcpy_seconds(self.tensors, nbytes)
+
     def finish(self, method: str) -> int:
         """End the method's serving of this step; returns the sender's peak RSS growth."""
         self.servings[method].finish()
@@ -120,6 +141,8 @@ def sender_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place
             "stage": sender.stage,
             "rendezvous": sender.rendezvous,
             "release": sender.release,
+            "disallow": sender.disallow,
+            "memcpy": sender.memcpy,
             "finish": sender.finish,
         }
         serve_commands(conn, handlers)
@@ -143,6 +166,35 @@ def _die_past(fraction: float) -> Callable[[int, int], None]:
     return progress
 
 
+# Points one receive's timeline keeps (it is sent to the driver with the outcome).
+TIMELINE_POINTS = 200
+
+
+class Timeline:
+    """Bytes landed over time in one receive, from ZMQTransport's progress callback (``--plot``)."""
+
+    def __init__(self, then: Callable[[int, int], None] | None = None) -> None:
+        self.then = then  # another progress callback to call after recording (a planned kill)
+        self.started = time.perf_counter()
+        self.points: list[tuple[float, int]] = []
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        self.points = [(0.0, 0)]
+
+    def __call__(self, done: int, total: int) -> None:
+        self.points.append((time.perf_counter() - self.started, done))
+        if self.then is not None:
+            self.then(done, total)
+
+    def sampled(self) -> list[tuple[float, int]]:
+        """At most :data:`TIMELINE_POINTS` points, the last one kept."""
+        points = self.points
+        step = max(1, len(points) // TIMELINE_POINTS)
+        kept = points[::step]
+        return kept if not points or kept[-1] == points[-1] else [*kept, points[-1]]
+
+
 def _one_link_ideal_s(scenario: Scenario) -> float:
     rate_mbit = scenario.lab.rate_mbit if scenario.lab is not None else 1e4
     return scenario.total_bytes / (rate_mbit * 1e6 / 8)
@@ -151,8 +203,9 @@ def _one_link_ideal_s(scenario: Scenario) -> float:
 class ReceiverProcess:
     """One fresh process, one method: builds its receiving side, then times its receives."""
 
-    def __init__(self, scenario: Scenario, knobs: Knobs, place: Place, rank: int) -> None:
+    def __init__(self, scenario: Scenario, knobs: Knobs, place: Place, rank: int, started: Any = None) -> None:
         self.scenario = scenario
+        self.started = started  # a multiprocessing Event set as the first receive begins (scenario.disallow)
         self.knobs = knobs
         self.place = place
         self.rank = rank
@@ -160,6 +213,7 @@ class ReceiverProcess:
         self.targets: list[Any] = []
         self.receiving: Receiving | None = None
         self.kill_timer_s: float | None = None  # the victim of a Kill, for a method without progress
+        self.timeline: Timeline | None = None  # bytes over time (ZMQTransport, which reports progress)
 
     def setup(self, method: str, metadata: str, step: int) -> None:
         """Untimed: the recovering model's own tensors (touched) and the method's receiver."""
@@ -181,6 +235,8 @@ class ReceiverProcess:
             if rogue.mode == "shutdown":
                 shut_down = []
                 progress = shutdown_halfway(shut_down)
+        if isinstance(chosen, ZmqMethod):
+            progress = self.timeline = Timeline(progress)
         env = RecvEnv(self.layout, self.targets, self.knobs, self.place, self.rank, world, metadata, step, progress)
         self.receiving = chosen.receiver(env)
         if shut_down is not None:
@@ -202,7 +258,13 @@ class ReceiverProcess:
         assert self.receiving is not None
         meter = PeakMeter()
         cpu_before = _cpu_seconds()
+        if self.timeline is not None:
+            self.timeline.start()
         started = time.perf_counter()
+        if self.scenario.disallow is not None:
+            if self.started is not None:
+                self.started.set()
+            return self._receive_disallowed(step, meter, cpu_before, started)
         tensors = self.receiving.receive(step)
         seconds = time.perf_counter() - started
         cpu = _cpu_seconds() - cpu_before
@@ -223,16 +285,44 @@ class ReceiverProcess:
             "resettable": meter.resettable,
             "paths": stats.get("paths", {}),
             "duplicates": stats.get("duplicates", 0),
+            "timeline": self.timeline.sampled() if self.timeline is not None else [],
         }
+
+    def _receive_disallowed(self, step: int, meter: PeakMeter, cpu_before: float, started: float) -> dict[str, Any]:
+        """A receive the source disallows mid-transfer: its outcome (bit-exact, or why not), never raised."""
+        assert self.receiving is not None
+        error = ""
+        try:
+            tensors = self.receiving.receive(step)
+        except Exception as exc:  # noqa: BLE001 - the outcome is what this scenario measures
+            tensors, error = [], f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - started
+        cpu, growth = _cpu_seconds() - cpu_before, meter.growth()
+        in_place = 0
+        if not error:
+            try:
+                check_every_element(tensors, step, len(self.layout.paths))
+            except AssertionError as exc:
+                error = f"other bytes than staged: {exc}"
+            owned = {t.untyped_storage().data_ptr() for t in self.targets}
+            in_place = sum(1 for t in tensors if t.untyped_storage().data_ptr() in owned)
+        del tensors
+        release_free_memory()
+        stats = {} if error else self.receiving.stats()
+        outcome = {"seconds": seconds, "cpu": cpu, "rss": growth, "in_place": in_place, "resettable": meter.resettable}
+        timeline = self.timeline.sampled() if self.timeline is not None else []
+        return {**outcome, "paths": stats.get("paths", {}), "duplicates": 0, "timeline": timeline, "error": error}
 
     def close(self) -> None:
         if self.receiving is not None:
             self.receiving.close()
 
 
-def receiver_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place, rank: int) -> None:
+def receiver_main(
+    conn: Connection, scenario: Scenario, knobs: Knobs, place: Place, rank: int, started: Any = None
+) -> None:
     _enter(place)
-    receiver = ReceiverProcess(scenario, knobs, place, rank)
+    receiver = ReceiverProcess(scenario, knobs, place, rank, started)
     try:
         serve_commands(conn, {"setup": receiver.setup, "go": receiver.go})
     finally:

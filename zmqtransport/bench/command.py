@@ -30,6 +30,7 @@ from .config import (
 )
 from .layouts import UNIFORM
 from .methods import METHODS, NUMPY, TORCHFT, VARIANTS
+from .plot import edge_table, plot_fanout
 from .relayreport import format_link_summary, format_paths_detail, format_relay_summary
 from .report import format_growth, format_result, format_targets, machine_description, memory_available, to_json
 from .runner import BenchError, ScenarioResult, run_scenario
@@ -84,6 +85,12 @@ def _add_transport_options(parser: argparse.ArgumentParser) -> None:
         "--detail",
         action="store_true",
         help="also print, per trial and receiver, from whom it received how many bytes (ZMQTransport's stats.paths)",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="draw one fan-out (the median trial of the first several-receiver lab scenario): each receiver's "
+        "bytes over time and who served whom (needs the plot extra: matplotlib; the edges are printed without it)",
     )
 
 
@@ -177,6 +184,8 @@ def scenarios_from_args(args: argparse.Namespace, available: frozenset[str]) -> 
             settle = settle_for(total)
         else:
             settle = scenario.settle_s
+        if scenario.disallow is not None and args.warm:
+            raise SystemExit(f"--warm does not apply to {scenario.name}: its step is withdrawn mid-transfer")
         spec = scenario.lab
         if spec is not None and args.rate is not None:
             spec = LabSpec(spec.nics, args.rate)
@@ -293,6 +302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({**to_json(results, knobs, argv), "skipped": skipped}, indent=2))
     else:
         _print_tables(results, argv, args.detail, skipped)
+    if args.plot:
+        drawn, what = plot_fanout(results, args.plot)
+        log(what)
+        if not drawn:
+            print(edge_table(results))
     return 0
 
 

@@ -72,6 +72,21 @@ class Kill:
 
 
 @dataclass(frozen=True)
+class Disallow:
+    """The source calls ``disallow_checkpoint`` mid-transfer, then mutates its tensors (issue 23).
+
+    ``at_s`` seconds after the receives start, the sender process calls it
+    (timed: how long the trainer is held), then adds ``add`` to every tensor as
+    an optimizer step would; every receiver then checks every element against
+    the staged values (a receive that fails or gets other bytes is reported,
+    not raised).
+    """
+
+    at_s: float = 0.3
+    add: float = 1.0
+
+
+@dataclass(frozen=True)
 class Rogue:
     """Receiver 1's relaying is modified (issue 21: a rogue relay; modes in :mod:`.rogue`).
 
@@ -113,6 +128,7 @@ class Scenario:
     @property
     def payload(self) -> Layout:
         return layout_of(self.layout, self.total_bytes, self.tensor_bytes)
+    disallow: Disallow | None = None
 
     @property
     def tensor_sizes(self) -> list[int]:
@@ -218,12 +234,30 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-mixed"] = Scenario(
         "lab-mixed", 32 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=mixed, lead_s=0.2
     )
+    # Issue 22: several paths and the swarm together (2 NICs per host, 3 receivers).
+    rows["lab-2nic-1to3"] = Scenario(
+        "lab-2nic-1to3", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(nics=2)
+    )
     # Issue 21: a rogue relay at the head of the chain, and an honest one that shuts down mid-transfer.
     for mode in ("flip", "error", "silent", "shutdown"):
         rows[f"lab-rogue-{mode}"] = Scenario(
             f"lab-rogue-{mode}", 64 * mib, 4 * mib, receivers=3, methods=("zmq-fresh",), reps=3, lab=LabSpec(),
             rogue=Rogue(mode), lead_s=0.2,
         )  # fmt: skip
+    return rows
+
+
+def _with_disallow_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
+    """Issue 23: disallow_checkpoint mid-transfer, then a mutation; in the lab and on loopback (1 GiB)."""
+    mib = 1 << 20
+    methods = ("zmq-inplace", "zmq-fresh", "http-4")
+    rows = dict(presets)
+    rows["lab-disallow"] = Scenario(
+        "lab-disallow", 64 * mib, 4 * mib, methods=methods, reps=3, lab=LabSpec(), disallow=Disallow(0.3)
+    )
+    rows["disallow"] = Scenario(
+        "disallow", 1 << 30, 4 * mib, methods=methods, reps=3, settle_s=DEFAULT_SETTLE_S, disallow=Disallow(0.1)
+    )
     return rows
 
 
@@ -254,14 +288,18 @@ def _large_presets() -> dict[str, Scenario]:
 
 
 LARGE = _large_presets()
-PRESETS = {**_with_relay_rows(_presets()), **LARGE}
+PRESETS = {**_with_disallow_rows(_with_relay_rows(_presets())), **LARGE}
 # The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
-RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed")
+RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3")
 # Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
 ROGUE_PRESETS = ("lab-1to1", "lab-1to3", "lab-rogue-flip", "lab-rogue-error", "lab-rogue-silent", "lab-rogue-shutdown")
-LAB_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is not None)
+# Issue 23's rows (run only where named): ``--scenario disallow --scenario lab-disallow``.
+DISALLOW_PRESETS = ("lab-disallow", "disallow")
+LAB_PRESETS = tuple(n for n, s in PRESETS.items() if s.lab is not None and n not in DISALLOW_PRESETS)
 # ``--scenario all``: every loopback preset but the large ones (minutes each, GiBs of memory on both sides).
-LOOPBACK_PRESETS = tuple(name for name, scenario in PRESETS.items() if scenario.lab is None and name not in LARGE)
+LOOPBACK_PRESETS = tuple(
+    n for n, s in PRESETS.items() if s.lab is None and n not in LARGE and n not in DISALLOW_PRESETS
+)
 # Issue 24: ``--scenario growth`` (the README's growth table) and ``--scenario large``.
 GROWTH_PRESETS = ("uniform-1g", "uniform-2g", "uniform-4g")
 LARGE_PRESETS = ("transformer", "uniform-4g", "uniform-8g")

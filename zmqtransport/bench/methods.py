@@ -105,6 +105,9 @@ class Serving(Protocol):
     def stage(self, step: int) -> None: ...
     def rendezvous(self, step: int) -> None: ...
     def release(self, step: int, receives: int) -> None: ...
+    # disallow_checkpoint mid-transfer; what the transport says of it: "needed" (bytes the running
+    # receives could still ask for) and "copied" (bytes it copied for them); {} when it says nothing.
+    def disallow(self) -> dict[str, int]: ...
     def finish(self) -> None: ...
     def close(self) -> None: ...
 
@@ -136,6 +139,9 @@ class _QuietServing:
 
     def release(self, step: int, receives: int) -> None:
         return None
+
+    def disallow(self) -> dict[str, int]:
+        raise NotImplementedError("this method has no disallow_checkpoint")
 
 
 # ----------------------------------------------------------------------------- plain TCP
@@ -308,6 +314,13 @@ class _TransportServing(_QuietServing):
         dst_ranks = list(range(1, self.env.receivers + 1))
         self.transport.send_checkpoint(dst_ranks, step, self.env.state, self.env.timeout)
 
+    def disallow(self) -> dict[str, int]:
+        self.transport.disallow_checkpoint()
+        stats = getattr(self.transport, "last_disallow_stats", None)  # ZMQTransport's
+        if stats is None:
+            return {}
+        return {"needed": int(stats.needed_bytes), "copied": int(stats.snapshot_bytes)}
+
     def finish(self) -> None:
         self.transport.disallow_checkpoint()
 
@@ -471,6 +484,9 @@ class _PgServing:
 
     def stage(self, step: int) -> None:
         return None
+
+    def disallow(self) -> dict[str, int]:
+        raise NotImplementedError("PGTransport's send is synchronous: nothing runs to disallow")
 
     def rendezvous(self, step: int) -> None:
         group = _process_group(self.metadata(), step, 0, self.env.receivers + 1, self.env.timeout)

@@ -7,6 +7,7 @@ import ctypes
 import gc
 import resource
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +56,36 @@ def check(tensors: Sequence[Any], step: int, count: int) -> None:
             right = float(flat[0]) == float(index % _EXACT) and float(flat[-1]) == float(step)
         if not right:
             raise AssertionError(f"tensor {index} has wrong content after step {step}")
+
+
+def check_every_element(tensors: Sequence[Any], step: int, count: int) -> None:
+    """:func:`check`, and every element after the first: a mutation of any byte shows."""
+    check(tensors, step, count)
+    for index, tensor in enumerate(tensors):
+        if not bool(torch.all(tensor.reshape(-1)[1:] == float(step))):
+            raise AssertionError(f"tensor {index} has other bytes than step {step} staged")
+
+
+def memcpy_seconds(tensors: Sequence[Any], nbytes: int) -> float:
+    """Seconds to copy ``nbytes`` of these tensors into fresh memory, one memmove per tensor (the page
+    faults of the new memory included, as any copy of that size pays them)."""
+    if nbytes <= 0:
+        return 0.0
+    started = time.perf_counter()
+    target = torch.empty(nbytes, dtype=torch.uint8)
+    at = target.data_ptr()
+    left = nbytes
+    for tensor in tensors:
+        size = min(left, tensor.numel() * tensor.element_size())
+        ctypes.memmove(at, tensor.data_ptr(), size)
+        at, left = at + size, left - size
+        if not left:
+            break
+    seconds = time.perf_counter() - started
+    del target
+    return seconds
+
+
 
 
 def views_of(tensors: Sequence[Any]) -> list[memoryview]:

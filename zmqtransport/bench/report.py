@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from .config import Knobs, Scenario
+from .disallowreport import disallow_table
 from .growth import growth_series, seconds_per_gib
 from .layouts import UNIFORM
 from .methods import METHODS, CutMethod
@@ -151,7 +152,7 @@ def format_result(result: ScenarioResult) -> str:
         row += [f"{entry.gbps:.3g}", *(f"{entry.ratios[a]:.2f}" for a in anchors), _seconds(entry.recv_cpu_s)]
         row += [f"{entry.send_rss_max / _MIB:.0f}", f"{entry.recv_rss_max / _MIB:.0f}"]
         rows.append(row)
-    return "\n".join([_title(result), *_table(rows), *_notes(result)])
+    return "\n".join([_title(result), *_table(rows), *_notes(result), *_disallow_lines(result)])
 
 
 def _ideal_s(result: ScenarioResult) -> float:
@@ -221,7 +222,14 @@ def format_lab_result(result: ScenarioResult) -> str:
     rows = [header] + [_lab_row(result, entry, ideal, hosts) for entry in result.summary.values()]
     explained = "state bytes / the nominal rate of one receiver's NICs together"
     lines = [_title(result), f"ideal: {_seconds(ideal)} s ({explained})"]
-    return "\n".join([*lines, *_table(rows), *_path_notes(result), *_notes(result)])
+    return "\n".join([*lines, *_table(rows), *_path_notes(result), *_notes(result), *_disallow_lines(result)])
+
+
+def _disallow_lines(result: ScenarioResult) -> list[str]:
+    if result.scenario.disallow is None:
+        return []
+    title, rows, notes = disallow_table(result)
+    return ["", title, *_table(rows), *notes]
 
 
 def format_growth(results: Sequence[ScenarioResult]) -> str:

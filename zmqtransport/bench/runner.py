@@ -198,7 +198,13 @@ class Trial:
     duplicates: list[int] = field(default_factory=list)  # per receiver: data messages that came twice (dropped)
     cut_s: float | None = None  # a CutMethod's trial: when the link went down, seconds after the receives began
     killed: list[int] = field(default_factory=list)  # ranks SIGKILLed mid-transfer (scenario.kill); lists skip them
+    # Per receiver: (seconds into its receive, bytes landed) points, from ZMQTransport's progress ([] otherwise).
+    timelines: list[list[tuple[float, int]]] = field(default_factory=list)
     rogue: list[int] = field(default_factory=list)  # ranks of rogue relays (scenario.rogue); lists skip them
+    # scenario.disallow: how long the source's disallow_checkpoint held it, what it copied, a memcpy of
+    # that many bytes in the same process, and each receiver's failure ("": bit-exact with the staged step).
+    disallow: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -219,6 +225,16 @@ class MethodSummary:
     duplicates: int = 0  # most duplicate data messages in one trial, all receivers together
     cut_s: float | None = None  # median time of the cut (CutMethod)
     ratios: dict[str, float] = field(default_factory=dict)
+    # scenario.disallow: medians of the source's disallow seconds, bytes the receives still needed, bytes
+    # copied, and memcpy seconds of the needed bytes; the slowest disallow; trials in which every receiver
+    # got the staged bytes, and an error seen.
+    disallow_s: float | None = None
+    disallow_max_s: float | None = None
+    needed_bytes: int = 0
+    snapshot_bytes: int = 0
+    memcpy_s: float | None = None
+    exact_trials: int = 0
+    error: str = ""
 
 
 @dataclass
@@ -251,9 +267,13 @@ class _Run:
     def trial(self, method: str, step: int, number: int) -> Trial:
         scenario, timeout = self.scenario, self.trial_timeout
         stage_seconds = self.sender.call(timeout, "stage", method, step)
+        context = multiprocessing.get_context("spawn")
+        started = [context.Event() if scenario.disallow else None for _ in range(scenario.receivers)]
         receivers = [
-            _spawn(f"bench-receiver-{rank}", receiver_main, scenario, self.knobs, self.network.place(rank), rank)
-            for rank in range(1, scenario.receivers + 1)
+            _spawn(
+                f"bench-receiver-{rank}", receiver_main, scenario, self.knobs, self.network.place(rank), rank, begun
+            )
+            for rank, begun in enumerate(started, start=1)
         ]
         try:
             # Together: a process group forms only when every rank joins.
@@ -264,10 +284,12 @@ class _Run:
                 child.reply(self.setup_timeout)
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
-            with self._cut_link(method) as cut:
+            with self._cut_link(method) as cut, self._disallow_during(method, started) as disallowed:
                 has_rogue = scenario.rogue is not None
                 replies = _go(receivers, timeout, step, self.receives, scenario.kill, scenario.lead_s, has_rogue)
             send_rss = self.sender.call(timeout, "finish", method)
+            if disallowed:  # measured here, not while the receives ran: they would have shared the cores
+                disallowed["memcpy_s"] = self.sender.call(timeout, "memcpy", disallowed["needed_bytes"])
             after = self.network.source_sent()
             _gather([r for r, runs in zip(receivers, replies, strict=True) if runs is not None], 30.0, "exit")
         finally:
@@ -295,8 +317,40 @@ class _Run:
             [o["duplicates"] for o in cold],
             cut.at_s,
             killed,
+            [o["timeline"] for o in cold],
             rogue,
+            disallowed,
+            [o.get("error", "") for o in cold],
         )
+
+    @contextlib.contextmanager
+    def _disallow_during(self, method: str, started: Sequence[Any]) -> Iterator[dict[str, float]]:
+        """With scenario.disallow: the sender's disallow_checkpoint ``at_s`` after every receive began
+        (each receiver sets its ``started`` event), then its mutation."""
+        outcome: dict[str, float] = {}
+        plan = self.scenario.disallow
+        if plan is None:
+            yield outcome
+            return
+        failures: list[BaseException] = []
+
+        def disallow() -> None:
+            try:
+                if not all(event.wait(self.setup_timeout) for event in started):
+                    raise BenchError("a receiver never began its receive")
+                time.sleep(plan.at_s)
+                outcome.update(self.sender.call(self.trial_timeout, "disallow", method, plan.add))
+            except BaseException as exc:  # noqa: BLE001 - reported after the receives
+                failures.append(exc)
+
+        timer = threading.Thread(target=disallow, name="bench-disallow", daemon=True)
+        timer.start()
+        try:
+            yield outcome
+        finally:
+            timer.join()  # the sender's pipe is free again before "finish"
+        if failures:
+            raise BenchError(f"disallow_checkpoint in the sender failed: {failures[0]}")
 
     @contextlib.contextmanager
     def _cut_link(self, method: str) -> Iterator[_Cut]:
@@ -398,6 +452,7 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             recv_paths=_median_paths(mine),
             duplicates=max(sum(t.duplicates) for t in mine),
             cut_s=_median_or_none([t.cut_s for t in mine]),
+            **_disallow_summary(mine),
         )
     anchors = [m for m in summary if METHODS[m].anchor]
     for entry in summary.values():
@@ -405,6 +460,22 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             # > 1 means faster than the anchor (ratio of median slowest-receiver times).
             entry.ratios[anchor] = summary[anchor].slowest_s / entry.slowest_s
     return summary
+
+
+def _disallow_summary(trials: Sequence[Trial]) -> dict[str, Any]:
+    outcomes = [t.disallow for t in trials if t.disallow]
+    if not outcomes:
+        return {}
+    errors = [error for t in trials for error in t.errors if error]
+    return {
+        "disallow_s": statistics.median(o["seconds"] for o in outcomes),
+        "disallow_max_s": max(o["seconds"] for o in outcomes),
+        "needed_bytes": int(statistics.median(o["needed_bytes"] for o in outcomes)),
+        "snapshot_bytes": int(statistics.median(o["snapshot_bytes"] for o in outcomes)),
+        "memcpy_s": statistics.median(o["memcpy_s"] for o in outcomes),
+        "exact_trials": sum(1 for t in trials if not any(t.errors)),
+        "error": errors[0] if errors else "",
+    }
 
 
 def _median_paths(trials: Sequence[Trial]) -> dict[str, int]:

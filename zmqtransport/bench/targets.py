@@ -1,4 +1,4 @@
-"""The performance targets of issues 4, 12, 13, 16, 21, 22 and 24, checked wherever a run measured what they need."""
+"""The performance targets of issues 4, 12, 13, 16 and 21 to 24, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issues 4, 12, 13, 16, 21, 22 and 24, wherever the run measured what they need."""
+    """The performance targets of issues 4, 12, 13, 16, 21, 22, 23 and 24, wherever the run measured what they need."""
     return (
         _issue4_targets(results)
         + _issue12_targets(results)
@@ -34,8 +34,38 @@ def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         + _issue16_targets(results)
         + _issue21_targets(results)
         + _issue22_targets(results)
+        + _issue23_targets(results)
         + _issue24_targets(results)
     )
+
+
+# Issue 23 (disallow keeps the contract): the most seconds the source may be held in the lab, and on
+# loopback beyond one memcpy of what it copied.
+_LAB_DISALLOW_S = 0.15
+_BEYOND_MEMCPY_S = 0.05
+_DISALLOWING = ("zmq-inplace", "zmq-fresh")
+
+
+def _issue23_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    targets: list[Target] = []
+    for result in results:
+        scenario = result.scenario
+        if scenario.disallow is None:
+            continue
+        for method in _DISALLOWING:
+            entry = result.summary.get(method)
+            if entry is None or entry.disallow_max_s is None:
+                continue
+            text = f"{method}: trials in which the receiver got the staged bytes"
+            targets.append(Target(scenario.name, text, entry.exact_trials, scenario.reps, True, 23))
+            if scenario.lab is not None:
+                text = f"{method}: slowest disallow_checkpoint, seconds"
+                targets.append(Target(scenario.name, text, entry.disallow_max_s, _LAB_DISALLOW_S, False, 23))
+            elif entry.disallow_s is not None and entry.memcpy_s is not None:
+                text = f"{method}: disallow_checkpoint seconds beyond a memcpy of what the receive still needed"
+                measured = entry.disallow_s - entry.memcpy_s
+                targets.append(Target(scenario.name, text, measured, _BEYOND_MEMCPY_S, False, 23))
+    return targets
 
 
 # Issue 12 (several paths and streams, in the lab): (method, NICs per host, most seconds / one stream's seconds).
@@ -139,6 +169,33 @@ def _issue22_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         uploads[(row.scenario, row.method)] = row.sent_over_state
     for (scenario, method), sent in uploads.items():
         targets.append(Target(scenario, f"{method} source upload / state", sent, _MIXED_UPLOAD_LIMIT, False, 22))
+    return targets + _two_nic_targets(results)
+
+
+_TWO_NIC_LIMIT = 0.6  # slowest of 3 receivers with 2 NICs each / one receiver's time over one NIC
+
+
+def _two_nic_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Several paths and the swarm together: 3 receivers on 2 NICs against one receiver on one NIC."""
+    targets: list[Target] = []
+    for result in results:
+        scenario, lab = result.scenario, result.scenario.lab
+        if lab is None or lab.nics != 2 or scenario.receivers < 2 or lab.mixed or scenario.kill is not None:
+            continue
+        for reference in results:
+            one, ref_lab = reference.scenario, reference.scenario.lab
+            comparable = (
+                ref_lab is not None and ref_lab.nics == 1 and one.receivers == 1 and not ref_lab.mixed
+                and ref_lab.rate_mbit == lab.rate_mbit and one.total_bytes == scenario.total_bytes
+            )
+            if not comparable:
+                continue
+            for method in RELAYING:
+                entry, base = result.summary.get(method), reference.summary.get(method)
+                if entry is None or base is None:
+                    continue
+                text = f"{method} slowest of {scenario.receivers} (2 NICs each) / one receiver over one NIC"
+                targets.append(Target(scenario.name, text, entry.slowest_s / base.slowest_s, _TWO_NIC_LIMIT, False, 22))
     return targets
 
 
@@ -161,6 +218,8 @@ def _issue16_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         scenario = result.scenario
         if scenario.lab is not None or scenario.total_bytes < 64 << 20 or scenario.layout != UNIFORM:
             continue
+        if scenario.disallow is not None:
+            continue  # a disallow mid-transfer is not a speed run
         several = scenario.receivers > 1
         checks: tuple[tuple[str, str, float], ...]
         if several:

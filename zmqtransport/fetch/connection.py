@@ -3,9 +3,9 @@
 A receive starts with one DEALER to the source's first path (or one per path,
 racing: :mod:`.racing`); the one that wins carries the request and the
 header. A striped receive keeps the others that may still connect, opens more
-up to ``streams``, and, when the source names a relay, one per path of that
-relay. All belong to the receiving thread and are closed by
-:meth:`Connections.close`, whatever happened.
+up to ``streams``, and, in a swarm, one per path of each peer. All belong to
+the receiving thread and are closed by :meth:`Connections.close`, whatever
+happened.
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ Configure = Callable[[zmq.Socket[Any]], None]
 class Connection:
     """One DEALER of a receive: the path it connects to, the socket, the watch on its connection.
 
-    ``token`` is a relay's (shown in every span fetch, docs/protocol.md,
-    "Relays"); None for the source. The other fields are what a striped
-    receive learns about the connection while it runs.
+    ``peer`` and ``token`` name a swarm peer (``token`` shown in every span
+    fetch, docs/protocol.md, "Swarm"); 0 and None for the source. The other
+    fields are what a striped receive learns about the connection while it runs.
     """
 
     path: Path
     socket: zmq.Socket[Any]
     watch: liveness.SourceWatch
+    peer: int = 0
     token: bytes | None = None
-    standby: bool = False  # the source while a relay serves: used when the relay cannot be
     interrupted: bool = False  # its connection dropped; given RECONNECT_GRACE to come back
     gone: str = ""  # why it was dropped ("" while in use)
     bytes: int = 0  # landed from this connection
@@ -140,8 +140,8 @@ class Connections:
             connection.close()
         self.spare = []
 
-    def streams(self, count: int | None, relay: wire.RelayOrder | None) -> list[Connection]:
-        """A striped receive's connections: this one, the kept ones, more up to ``count``, a relay's."""
+    def streams(self, count: int | None) -> list[Connection]:
+        """A striped receive's connections to the source: this one, the kept ones, more up to ``count``."""
         connections = [self.first, *self.spare]
         count = count if count is not None else len(connections)
         for connection in connections[count:]:
@@ -155,24 +155,24 @@ class Connections:
         for extra in range(count - len(connections)):
             connections.append(self._open(targets[extra % len(targets)], self.to_source))
         self.spare = connections[1:]
-        if relay is not None and relay.upstream is not None:
-            # Fetch from the relay the source named; the source's connections stand by.
-            for connection in connections:
-                connection.standby = True
-            connections[:0] = self._relay_streams(relay.upstream, relay.upstream_token)
         return connections
 
-    def _relay_streams(self, upstream: str, token: bytes | None) -> list[Connection]:
-        """One connection per path of the upstream relay, showing the token the source gave for it."""
+    def open_peer(self, at: str, token: bytes, peer: int) -> list[Connection]:
+        """One connection per path of the swarm peer serving at ``at`` (its metadata), showing its ``token``:
+        its paths this receive has no connection to yet.
+
+        Raises ``ProtocolError`` for malformed metadata (the source named the peer).
+        """
         try:
-            relay = parse_metadata(upstream)
+            address = parse_metadata(at)
         except ValueError as exc:
-            raise ProtocolError(f"the source named a relay with malformed metadata: {exc}") from None
-        peer_options = self.relay_options(relay) if self.relay_options is not None else None
+            raise ProtocolError(f"the source named a peer with malformed metadata: {exc}") from None
+        peer_options = self.relay_options(address) if self.relay_options is not None else None
         configure = dealer_options(self.stall_timeout, peer_options)
-        connections = [self._open(path, configure) for path in relay.paths]
+        opened = {c.path for c in self.extra if c.peer == peer}
+        connections = [self._open(path, configure) for path in address.paths if path not in opened]
         for connection in connections:
-            connection.token = token
+            connection.peer, connection.token = peer, token
         return connections
 
     def _new(self, path: Path, configure: Configure, racing: bool = False) -> Connection:

@@ -26,7 +26,7 @@ Configure = Callable[[zmq.Socket[Any]], None]
 
 @dataclass(frozen=True)
 class RelayOffer:
-    """This receiver relays what it receives (docs/protocol.md, "Relays")."""
+    """This receiver relays what it receives (docs/protocol.md, "Swarm")."""
 
     at: str  # where it serves: its transport's metadata, offered in the header fetch
     host: RelayHost  # its transport's server, which serves the relayed step

@@ -17,23 +17,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 from typing import Any
 
 import zmq
 
-from .. import buffers, digests, wire
+from .. import buffers, digests, relayed, wire
 from ..device import RecvUnstager
 from ..errors import ConnectionLostError, IntegrityError, ProtocolError, StalledError
 from ..gcpause import paused_gc
-from ..net import PeerAddress
+from ..net import PeerAddress, is_local_address
 from ..stats import TransferStats
 from . import landing, liveness, striped
+from .asking import SpanTerms
 from .connection import Configure, Connection, Connections
 from .inbox import Inbox
 from .landed import Landed, build, land
 from .options import FetchOptions
+from .peers import Peers, start_offset
 from .relaying import RelayDuty
 from .replies import discard_rest, expect_no_more, next_reply, refusal
 
@@ -123,7 +126,7 @@ class Receive:
 
     # ----------------------------------------------------------------- phases
 
-    def request(self, header_only: bool = False, keep_paths: bool = False) -> None:
+    def request(self, header_only: bool = False, keep_paths: bool = False, offer: str | None = None) -> None:
         """Connect (to the most preferred path that connects, when there are several) and ask for the step."""
         tried = self.conns.connect(self.deadline, keep_paths)
         if tried is not None:
@@ -134,11 +137,10 @@ class Receive:
         self.stats.peer = self.endpoint
         if self.address.more_paths:
             logger.debug("%s: using path %s", self.describe(at=False), self.endpoint)
-        self.send_request(header_only)
+        self.send_request(header_only, offer)
 
-    def send_request(self, header_only: bool = False, relay: bool = True) -> None:
+    def send_request(self, header_only: bool = False, offer: str | None = None) -> None:
         wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
-        offer = self.options.relay.at if relay and self.options.relay is not None else None
         inline = self.options.verify == "all" and not header_only
         request = wire.fetch_request(
             self.xfer,
@@ -151,7 +153,26 @@ class Receive:
             verify=digests.offered(),
             inline=inline,
         )
-        self.conns.first.socket.send(request)
+        self._send(request, "its request")
+
+    def _send(self, frame: bytes, what: str) -> None:
+        """Send on the connection in use, within the deadline.
+
+        A DEALER with no pipe to its peer (a connection refused by CurveZMQ,
+        torn down and not yet retried) blocks on send: never wait past the
+        transfer's deadline for one.
+        """
+        socket = self.conns.first.socket
+        while True:
+            try:
+                socket.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise self._timed_out(f"a connection to send {what} on")
+            socket.poll(max(1, min(100, math.ceil(left * 1000))), zmq.POLLOUT)
 
     def receive_header(self) -> landing.ParsedHeader:
         reply = self._next("the checkpoint header")
@@ -159,7 +180,7 @@ class Receive:
             raise ProtocolError(f"expected a header, got {reply.op!r}")
         self.stage = reply.stage
         self.order = reply.relay if self.options.relay is not None else None
-        self.algorithm = self._digest_algorithm(reply.digest)
+        self.algorithm = digest_algorithm(reply.digest, self.options.verify, self.describe())
         socket = self.conns.first.socket
         body = socket.recv()
         expect_no_more(socket, "the header")
@@ -167,19 +188,6 @@ class Receive:
         if header.step != self.step:
             raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
         return landing.parse_header(header, self.options.allow_pickle)
-
-    def _digest_algorithm(self, name: str | None) -> digests.Algorithm | None:
-        """The algorithm the source chose from this side's offer (None: it publishes no digests)."""
-        if name is None:
-            if self.options.verify == "all":
-                raise IntegrityError(
-                    f"verify='all': {self.describe()} publishes no digests to check the data against "
-                    "(a release before digests); receive from it with verify='relayed'"
-                )
-            return None
-        if name not in digests.offered():
-            raise ProtocolError(f"the peer chose digest algorithm {name!r}, which this side did not offer")
-        return digests.algorithm(name)
 
     def receive_end(self) -> None:
         reply = self._next("the end of the transfer", in_transfer=True)
@@ -189,21 +197,23 @@ class Receive:
 
     def header_phase(self) -> tuple[landing.ParsedHeader, bool]:
         """Ask for and read the header; returns it and whether the data comes striped (in spans)."""
-        stripe = self.options.striped(self.address)
-        # A striped receive asks for the header alone, then for spans on every connection.
-        self.request(header_only=stripe, keep_paths=stripe)
+        offer = relay_offer(self.options, self.address)
+        # A striped receive, and one that may join a swarm, asks for the header
+        # alone, then for spans on every connection.
+        stripe = self.options.striped(self.address) or offer is not None
+        self.request(header_only=stripe, keep_paths=stripe, offer=offer)
         parsed = self.receive_header()
-        sent_to_relay = self.stage is not None and self.order is not None and self.order.upstream is not None
-        if stripe or sent_to_relay:
-            self.receive_end()  # the header came alone: spans follow (from a relay, maybe)
-            if self.stage is None:
-                # A sender that serves no span fetches: one connection, as it expects, and no relaying either.
-                self.conns.drop_spare()
-                self.xfer = random.getrandbits(63)
-                self.send_request(relay=False)
-                parsed = self.receive_header()
-            stripe = self.stage is not None
-        return parsed, stripe
+        if not stripe:
+            return parsed, False
+        self.receive_end()
+        if self.stage is None:
+            # A sender that serves no span fetches: one connection, as it expects, and no relaying either.
+            self.conns.drop_spare()
+            self.xfer = random.getrandbits(63)
+            self.order = None
+            self.send_request()
+            parsed = self.receive_header()
+        return parsed, self.stage is not None
 
     def plan_data(self, header: wire.Header) -> None:
         """The chunk plan (once the header's sizes were accepted), and relaying if the source asked.
@@ -229,16 +239,17 @@ class Receive:
             inbox.land(socket, reply, source)
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < messages:
-                socket.send(wire.credit_request(self.xfer, unacknowledged))
+                self._send(wire.credit_request(self.xfer, unacknowledged), "credit")
                 unacknowledged = 0
         self.stats.messages = messages
         self.receive_end()
 
     def receive_striped(self, inbox: Inbox, chunk_bytes: int) -> None:
-        """Receive every data message in spans over several connections (:mod:`.striped`)."""
+        """Receive every data message in spans over several connections (:mod:`.striped`), from the
+        source and, when the source made this receive a swarm member, from the other members."""
         assert self.stage is not None  # only a sender that serves spans gets here
         options = self.options
-        terms = striped.SpanTerms(
+        terms = SpanTerms(
             self.step,
             self.stage,
             options.allow_pickle,
@@ -247,21 +258,26 @@ class Receive:
             self.algorithm,
             inline=options.verify == "all",
         )
-        # Relays only where what they send can be checked against the source's digests.
-        streams = self.conns.streams(options.streams, self.order if self.algorithm is not None else None)
-        run = striped.StripedReceive(streams, inbox, terms, striped.span_messages(chunk_bytes), self.describe(False))
+        streams = self.conns.streams(options.streams)
+        messages = len(inbox.plan)
+        swarm, offset = None, 0
+        known: tuple[wire.Peer, ...] = ()
+        # Peers only where what they send can be checked against the source's digests.
+        if self.order is not None and self.algorithm is not None:
+            known = self.order.peers
+            if not known and self.order.upstream is not None and self.order.upstream_token is not None:
+                known = ((self.order.upstream, self.order.upstream_token),)  # a source that names one relay
+            swarm = Peers(self.order.token, known)
+            offset = start_offset(len(known), messages)
+        # In a swarm, spans small enough that every member gets several (a slow peer holds few back).
+        span = striped.span_messages(chunk_bytes, messages if swarm else 0, len(streams) + len(known) + 2)
+        run = striped.StripedReceive(
+            streams, inbox, terms, span, self.describe(False), swarm, self.conns.open_peer, offset
+        )
         try:
             run.run()
         finally:
-            self._record(streams, run.duplicates)
-
-    def _record(self, streams: list[Connection], duplicates: int) -> None:
-        self.stats.streams = len(streams)
-        self.stats.messages = sum(stream.messages for stream in streams)
-        self.stats.duplicate_messages = duplicates
-        for stream in streams:
-            if stream.bytes:
-                self.stats.paths[stream.endpoint] = self.stats.paths.get(stream.endpoint, 0) + stream.bytes
+            record(self.stats, run.streams, run.duplicates)
 
     def data_phase(self, parsed: landing.ParsedHeader, stripe: bool, landed: Landed) -> None:
         """Every data message into ``landed``; then this receive's relaying winds down."""
@@ -294,6 +310,43 @@ class Receive:
         if self.duty is not None:
             self.duty.stop()  # before anything is handed to the caller, whatever happened
         self.conns.close()
+
+
+def digest_algorithm(name: str | None, verify: str, source: str) -> digests.Algorithm | None:
+    """The algorithm ``source`` chose from this side's offer (None: it publishes no digests)."""
+    if name is None:
+        if verify == "all":
+            raise IntegrityError(
+                f"verify='all': {source} publishes no digests to check the data against "
+                "(a release before digests); receive from it with verify='relayed'"
+            )
+        return None
+    if name not in digests.offered():
+        raise ProtocolError(f"the peer chose digest algorithm {name!r}, which this side did not offer")
+    return digests.algorithm(name)
+
+
+def relay_offer(options: FetchOptions, source: PeerAddress) -> str | None:
+    """Where a receive offers to serve others (its transport's metadata), or None.
+
+    No offer to a source on this host: the source would not make it a swarm
+    member (one host has one memory system, not several links).
+    """
+    if options.relay is None:
+        return None
+    if not relayed.RELAY_LOOPBACK and all(is_local_address(path.host) for path in source.paths):
+        return None
+    return options.relay.at
+
+
+def record(stats: TransferStats, streams: list[Connection], duplicates: int) -> None:
+    """What a striped receive's connections carried, into its statistics."""
+    stats.streams = len(streams)
+    stats.messages = sum(stream.messages for stream in streams)
+    stats.duplicate_messages = duplicates
+    for stream in streams:
+        if stream.bytes:
+            stats.paths[stream.endpoint] = stats.paths.get(stream.endpoint, 0) + stream.bytes
 
 
 def fetch(

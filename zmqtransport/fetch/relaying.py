@@ -1,21 +1,20 @@
-"""A receiver's part in relaying (docs/protocol.md, "Relays").
+"""A receiver's part in a swarm (docs/protocol.md, "Swarm").
 
 When several receivers fetch one step from one source at the same time, the
-source tells each receiver that offered to relay (option ``relay``, on by
-default) a token to serve under and, from the second on, a relay to fetch
-from: the receiver before it. So each receiver:
+source makes each receiver that offered to relay (option ``relay``, on by
+default) a member of the staging's swarm: a token to serve under, and the
+members so far. So each member:
 
-* fetches its spans from its upstream relay, keeping the source's connection
-  as a standby that takes over when the relay is lost, stalls, or stops
-  (:mod:`.striped`, :mod:`.spans`);
-* serves the messages it has landed to its own downstream, through its own
+* fetches spans from the source and from every member it knows, each as fast
+  as it delivers (:mod:`.striped`, :mod:`.spans`, :mod:`.peers`);
+* serves the messages it has landed to the others, through its own
   transport's ROUTER (:class:`~zmqtransport.relayed.Relayed`), copies of
   the bytes exactly as they landed, with the source's checksums;
-* stops serving before ``recv_checkpoint`` returns: it keeps serving a
-  bounded tail (:data:`RELAY_TAIL`) while its downstream still asks, then
-  ends every transfer it still runs (``not_relaying``: the downstream fetches
-  the rest from the source) and waits until its serving thread no longer reads
-  the received memory. The caller may mutate its tensors at once.
+* stops serving before ``recv_checkpoint`` returns: it keeps serving a short
+  tail (:data:`RELAY_TAIL`) while others still fetch from it, then ends every
+  transfer it still runs (``not_relaying``: they fetch the rest from the
+  source or another member) and waits until its serving thread no longer
+  reads the received memory. The caller may mutate its tensors at once.
 
 A receive that lands any storage in device memory does not relay: its
 downstream is refused (``not_relaying``) and fetches from the source.
@@ -33,11 +32,12 @@ from ..relayed import Relayed
 
 logger = logging.getLogger("zmqtransport.fetch")
 
-# After its own data is complete, a relay keeps serving its downstream at most
-# this long (seconds), and stops as soon as every downstream connection that
-# asked has closed (its receive ended): on equal links a downstream is a few
-# messages behind, so the tail is a few message times.
-RELAY_TAIL = 1.0
+# After its own data is complete, a member keeps serving the others at most
+# this long (seconds), and stops as soon as every connection that asked has
+# closed (its receive ended). Short: the tail is part of this receive's own
+# time, and what the others still want from it, the source and the other
+# members serve as well (at worst a few spans per member are asked for again).
+RELAY_TAIL = 0.01
 RELAY_POLL = 0.005  # seconds between looks at whether the downstream has gone
 # How long the receive waits for the serving thread to stop reading the relayed memory.
 STOP_BOUND = 5.0
@@ -84,15 +84,18 @@ class RelayDuty:
         if self.relayed.served:
             self.host.poke()  # only a downstream waiting for it needs the serving thread awake
 
+    def fetching(self, coming: int) -> None:
+        """What the receive is fetching now (a bit set): the others ask the source for something else."""
+        self.relayed.coming = coming
+
     def finish(self) -> None:
         """Own data complete: serve a bounded tail while the downstream still asks, then stop."""
         deadline = time.monotonic() + RELAY_TAIL
         relayed = self.relayed
-        # Until every downstream that asked has gone: its receive ended and
-        # closed its connection here (a receive closes its connections as soon
-        # as its own data is complete, before its own tail, so a chain does not
-        # wait for its last member). Idleness would end the tail too early
-        # where a link's queue holds a span's worth of data still draining.
+        # Until every member that asked has gone: its receive ended and closed
+        # its connection here (a receive closes its connections as soon as its
+        # own data is complete, before its own tail, so tails do not wait on
+        # each other).
         while relayed.served and relayed.peers and time.monotonic() < deadline:
             time.sleep(RELAY_POLL)
         self.stop()

@@ -1,34 +1,52 @@
-"""Which data messages a striped receive asks for on which connection: the receiving side's plan, without sockets.
+"""Which data messages a striped receive asks of which connection: the receiving side's plan, without sockets.
 
 A striped receive (docs/protocol.md, "Spans") fetches one step over several
-connections (*streams*), possibly over several paths. The data messages of the
-chunk plan are cut into *spans* of consecutive messages; an idle stream asks
-for the next span (a span fetch carries its own credit), keeping at most
+connections (*streams*): to the source over one or more paths, and, in a
+fan-out, to other receivers of the same step (*peers*, docs/protocol.md,
+"Swarm") that serve what they have landed. The data messages of the chunk
+plan are asked for in *spans* of consecutive messages; an idle stream asks for
+its next span (a span fetch carries its own credit), keeping at most
 ``depth`` spans outstanding, so a faster stream asks more often and carries
 more. Messages of one span arrive in order; spans on one stream interleave.
 
-When no span is left to hand out, a stream with room takes over the rest of a
-span whose stream has gone quiet for longer than its own pace explains
-(:meth:`SpanBook.quiet_after`): a dead or stalled path's work is asked for
-again on a live one, and whichever copy of a message lands first counts
-(duplicates are dropped, so nothing lands twice with different bytes:
-both copies come from the same staging). A stream declared lost gives its
-unfinished spans back to the queue.
+What a stream may be asked for is what its peer holds: the source holds
+everything; another receiver holds what it reported (:meth:`SpanBook.holds`).
+Among what it may ask for, a stream prefers what is rare: the source's
+uplink goes first to messages no peer holds yet, a peer's to messages no
+other peer holds; a receive starts its walk through the plan at its own
+``offset``, so receivers that join together ask the source for different
+messages and then exchange them.
 
-A message from a stream that is not trusted (a relay) is *held* when it
+Two kinds of takeover keep a slow or dead stream from holding the receive
+back. When a stream has nothing left to ask for, it takes over the rest of a
+span of another stream
+
+* that has gone quiet for longer than its own pace explains
+  (:meth:`SpanBook.quiet_after`): a dead or stalled path's work is asked for
+  again on a live one;
+* or that, at its measured pace, would finish well after this stream could
+  (:data:`FASTER_BY`): a slow peer is never the only path for spans a faster
+  one could deliver.
+
+Whichever copy of a message lands first counts; the other copy is dropped
+(both come from the same staging). A stream declared lost gives its
+unfinished spans back.
+
+A message from a stream that is not trusted (a peer) is *held* when it
 arrives: asked for by nobody else, but not landed until the receive has
 checked it against the source's digest (:mod:`.verify`); then it is
 :meth:`SpanBook.verified`, or :meth:`SpanBook.rejected` and asked for again.
 
-:class:`SpanBook` is pure (explicit ``now``, no zmq); :mod:`.striped`
-carries its decisions out on the sockets.
+:class:`SpanBook` is pure (explicit ``now``, no zmq); :mod:`.striped` carries
+its decisions out on the sockets. Sets of messages are Python integers used
+as bit sets (bit ``seq``): a receive of 4 GiB in 1 MiB messages makes each
+set operation a few microseconds.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Bytes per span: small enough that a lost path's outstanding work is a few
 # megabytes and that streams of unequal speed end close together, large
@@ -42,14 +60,11 @@ DEPTH = 2
 QUIET_GAPS = 4.0
 QUIET_MIN = 0.05  # seconds: never sooner (scheduling noise on a busy host)
 QUIET_FIRST = 0.5  # seconds: a stream that has delivered nothing yet
-# A standby stream (the source, while relays serve this receive) takes over a
-# primary's span only after this much silence: a relay waits for its own
-# upstream at times, and every takeover is an upload the source was spared.
-# A relay that has delivered nothing yet is waited for QUIET_FIRST only: its
-# upstream's first message takes one message time on its link (21 ms for
-# 1 MiB at 400 Mbit/s), and a relay that never sends costs its downstream
-# this wait before the source steps in (docs/protocol.md, "Relays").
-STANDBY_QUIET = 1.0
+# An idle stream takes over the rest of a busy stream's span when, at the two
+# streams' measured paces, it would deliver that rest this many times sooner.
+FASTER_BY = 2.0
+# The peer every book starts with: the source, which holds every message.
+SOURCE = 0
 
 # A message's state in SpanBook.landed.
 MISSING = 0
@@ -80,17 +95,95 @@ class Span:
 
 @dataclass
 class _Stream:
-    standby: bool = False  # only takes over, or works when no primary stream is left
+    peer: int  # whose messages it carries (SOURCE, or another receiver)
     up: bool = False  # connected (work is only handed to streams that are)
     interrupted: bool = False  # was connected, connection dropped, may come back
     lost: bool = False
     last_data: float | None = None
     gaps: float = 0.0  # sum of the gaps between its messages
     messages: int = 0
+    spans: list[Span] = field(default_factory=list)  # outstanding
+
+    def delivered(self, now: float) -> None:
+        if self.last_data is not None:
+            self.gaps += now - self.last_data
+            self.messages += 1
+        self.last_data = now
+
+    def pace(self) -> float | None:
+        """Seconds per message on average (None: not measured yet)."""
+        return self.gaps / self.messages if self.messages else None
+
+    def quiet_after(self) -> float:
+        """Seconds of silence after which its spans may be taken over."""
+        return QUIET_FIRST if not self.messages else max(QUIET_MIN, QUIET_GAPS * self.gaps / self.messages)
+
+    def silent_since(self, span: Span) -> float:
+        """Since when it has delivered nothing for ``span`` (counted from when the span was asked for)."""
+        return span.opened if self.last_data is None else max(self.last_data, span.opened)
+
+    def quiet(self, now: float) -> bool:
+        """Whether it owes data and has sent nothing for longer than its pace explains."""
+        owed = [span for span in self.spans if not span.finished]
+        return any(now - self.silent_since(span) >= self.quiet_after() for span in owed)
+
+    def takeover_score(self, span: Span, rest: int, mine: float | None, now: float) -> float:
+        """How much taking over the ``rest`` messages of its ``span`` is worth to a stream of pace ``mine``:
+        its silence when it is quiet, the time the rest would still take when it is much slower (0: not)."""
+        silence = now - self.silent_since(span)
+        if silence >= self.quiet_after():
+            return silence
+        theirs = self.pace()
+        # A pace of 0 (messages drained from the socket at once) measures nothing.
+        if mine and theirs is not None and theirs > FASTER_BY * mine:
+            return rest * theirs
+        return 0.0
+
+
+class _Holdings:
+    """What each peer holds and is fetching, as it reported (bit sets within ``everything``); the source holds all."""
+
+    def __init__(self, everything: int) -> None:
+        self.everything = everything
+        self.held: dict[int, int | None] = {SOURCE: None}  # None: everything
+        self.coming: dict[int, int] = {}
+
+    def report(self, peer: int, have: int, coming: int) -> None:
+        if peer != SOURCE:
+            self.held[peer] = have & self.everything
+            self.coming[peer] = coming & self.everything & ~have
+
+    def of(self, peer: int) -> int:
+        held = self.held.get(peer, 0)
+        return self.everything if held is None else held
+
+    def forget(self, peer: int) -> None:
+        self.held[peer] = 0
+        self.coming.pop(peer, None)
+
+
+def _bit(seq: int) -> int:
+    return 1 << seq
+
+
+def _lowest(bits: int) -> int:
+    """The lowest set bit's position (``bits`` > 0)."""
+    return (bits & -bits).bit_length() - 1
+
+
+def _run_length(bits: int, start: int, limit: int) -> int:
+    """How many set bits follow one another in ``bits`` from ``start`` on, at most ``limit``."""
+    window = (bits >> start) & ((1 << limit) - 1)
+    return ((window ^ (window + 1)).bit_length() - 1) if window else 0
 
 
 class SpanBook:
-    """The spans of one striped receive: queued, outstanding per stream, and which messages landed."""
+    """The spans of one striped receive: who may be asked for what, what is outstanding, what has landed.
+
+    ``streams`` streams to the source to begin with; :meth:`add_stream` adds
+    one to a peer. ``offset`` is where this receive starts its walk through
+    the plan (spread over receivers that fetch at once).
+    """
 
     def __init__(
         self,
@@ -98,18 +191,26 @@ class SpanBook:
         streams: int,
         span: int,
         depth: int = DEPTH,
-        standby: frozenset[int] = frozenset(),
+        offset: int = 0,
     ) -> None:
-        if messages < 0 or streams < 1 or span < 1 or depth < 1:
-            raise ValueError("a span book needs messages >= 0, streams >= 1, span >= 1, depth >= 1")
+        if messages < 0 or streams < 0 or span < 1 or depth < 1:
+            raise ValueError("a span book needs messages >= 0, streams >= 0, span >= 1, depth >= 1")
+        self.messages = messages
+        self.span = span
         self.depth = depth
-        self.queue: deque[tuple[int, int]] = deque((at, min(at + span, messages)) for at in range(0, messages, span))
+        self.offset = offset % messages if messages else 0
         # Per message: MISSING, HELD (arrived, waiting to be checked) or LANDED.
         self.landed = bytearray(messages)
         self.missing = messages  # messages not LANDED
         self.spans: dict[int, Span] = {}  # outstanding, by transfer id
-        self._streams = [_Stream(standby=index in standby) for index in range(streams)]
+        self._streams: list[_Stream] = []
+        self._all = (1 << messages) - 1
+        self._holds = _Holdings(self._all)
+        self._wanted = self._all  # not landed
+        self._free = self._all  # not landed and not asked for on any stream
         self._prefix = 0
+        for _ in range(streams):
+            self.add_stream(SOURCE)
 
     # ------------------------------------------------------------------ state
 
@@ -119,17 +220,39 @@ class SpanBook:
 
     def prefix(self) -> int:
         """How many messages from the first on have all landed."""
-        while self._prefix < len(self.landed) and self.landed[self._prefix] == LANDED:
+        while self._prefix < self.messages and self.landed[self._prefix] == LANDED:
             self._prefix += 1
         return self._prefix
 
     def outstanding(self, stream: int) -> list[Span]:
-        return [span for span in self.spans.values() if span.stream == stream]
+        return list(self._streams[stream].spans)
 
     def live(self) -> list[int]:
         return [index for index, stream in enumerate(self._streams) if not stream.lost]
 
+    def peer_of(self, stream: int) -> int:
+        return self._streams[stream].peer
+
     # ------------------------------------------------------------------ events
+
+    def add_stream(self, peer: int) -> int:
+        """A new stream to ``peer`` (not yet connected); returns its index. A new peer holds nothing yet."""
+        self._holds.held.setdefault(peer, 0)
+        self._streams.append(_Stream(peer))
+        return len(self._streams) - 1
+
+    def holds(self, peer: int, have: int, coming: int = 0) -> None:
+        """``peer`` reported holding the messages set in ``have`` and fetching those in ``coming``
+        (bit sets; out-of-plan bits are ignored)."""
+        self._holds.report(peer, have, coming)
+
+    def has_work_for(self, peer: int) -> bool:
+        """Whether ``peer`` holds messages this receive still wants and has asked nobody for."""
+        return bool(self._free & self._holds.of(peer))
+
+    def asked(self) -> int:
+        """The messages this receive is fetching now: wanted, and asked of some stream (a bit set)."""
+        return self._wanted & ~self._free
 
     def connected(self, stream: int, up: bool) -> None:
         state = self._streams[stream]
@@ -140,27 +263,27 @@ class SpanBook:
     def assign(self, stream: int, xfer: int, now: float) -> Span | None:
         """The next span for ``stream`` to ask for under ``xfer``, or None (it is full, down, or nothing is due)."""
         state = self._streams[stream]
-        if state.lost or not state.up or len(self.outstanding(stream)) >= self.depth:
+        if state.lost or not state.up or len(state.spans) >= self.depth:
             return None
-        standing_by = state.standby and any(
-            not s.lost and not s.interrupted and not s.standby for s in self._streams
-        )
-        while self.queue and not standing_by:
-            first, stop = self.queue.popleft()
-            first = self._first_missing(first, stop)
-            if first < stop:
-                return self._open(xfer, stream, first, stop, now)
-        victim = self._quiet_span(stream, now, STANDBY_QUIET if standing_by else 0.0)
+        held = self._holds.of(state.peer)
+        choice = self._choose(stream, self._free & held, now)
+        if choice is not None:
+            first, stop = choice
+            return self._open(xfer, stream, first, stop, now)
+        victim = self._victim(stream, held, now)
         if victim is None:
             return None
         victim.taken_at = now
-        return self._open(xfer, stream, self._first_missing(victim.next, victim.stop), victim.stop, now)
+        first = self._first_missing(victim.next, victim.stop)
+        stop = first + _run_length(self._wanted & held, first, victim.stop - first)
+        return self._open(xfer, stream, first, stop, now)
 
     def on_data(self, xfer: int, seq: int, now: float, held: bool = False) -> bool | None:
         """A data message arrived. True: land it; False: a duplicate, drop it; None: no such span (cancelled).
 
         ``held``: it comes from a stream that is not trusted, and counts only
-        once :meth:`verified`. Raises ``ValueError`` for a message out of its span's order.
+        once :meth:`verified` (nobody else is asked for it meanwhile). Raises
+        ``ValueError`` for a message out of its span's order.
         """
         span = self.spans.get(xfer)
         if span is None:
@@ -168,13 +291,11 @@ class SpanBook:
         if seq != span.next:
             raise ValueError(f"data message {seq} on span {span.first}..{span.stop} where {span.next} was due")
         span.next += 1
-        state = self._streams[span.stream]
-        if state.last_data is not None:
-            state.gaps += now - state.last_data
-            state.messages += 1
-        state.last_data = now
+        self._streams[span.stream].delivered(now)
         if self.landed[seq] != MISSING:
             return False
+        self._wanted &= ~_bit(seq)
+        self._free &= ~_bit(seq)
         if held:
             self.landed[seq] = HELD
         else:
@@ -188,72 +309,85 @@ class SpanBook:
             self.landed[seq] = LANDED
             self.missing -= 1
 
-    def rejected(self, seqs: list[int]) -> None:
-        """Held messages not believed (a mismatch, or their stream was dropped): asked for again, first."""
-        runs: list[tuple[int, int]] = []
-        for seq in sorted(seqs):
-            if self.landed[seq] != HELD:
-                continue
-            self.landed[seq] = MISSING
-            if runs and runs[-1][1] == seq:
-                runs[-1] = (runs[-1][0], seq + 1)
-            else:
-                runs.append((seq, seq + 1))
-        self.queue.extendleft(reversed(runs))
-
     def on_end(self, xfer: int) -> list[Span]:
         """A span's ``end`` arrived. Returns the spans now pointless (their messages all landed): cancel them."""
-        span = self.spans.pop(xfer, None)
-        if span is not None and not span.finished:
-            raise ValueError(f"end of span {span.first}..{span.stop} before message {span.next}")
+        span = self.spans.get(xfer)
+        if span is not None:
+            if not span.finished:
+                raise ValueError(f"end of span {span.first}..{span.stop} before message {span.next}")
+            self._close(span)
         return self.redundant()
 
     def redundant(self) -> list[Span]:
         """Outstanding spans whose remaining messages all landed by other streams; forgotten here."""
         done = [s for s in self.spans.values() if not s.finished and self._first_missing(s.next, s.stop) >= s.stop]
         for span in done:
-            del self.spans[span.xfer]
+            self._close(span)
         return done
 
+    def rejected(self, seqs: list[int]) -> None:
+        """Messages not believed (a mismatch with the source's digest, or their stream was dropped while
+        they were held, or their bytes failed to land): wanted again, from another stream."""
+        for seq in seqs:
+            if self.landed[seq] == MISSING:
+                continue
+            self.missing += self.landed[seq] == LANDED
+            self.landed[seq] = MISSING
+            self._prefix = min(self._prefix, seq)
+            self._wanted |= _bit(seq)
+            self._free |= _bit(seq)
+
     def lost(self, stream: int) -> list[Span]:
-        """``stream`` is gone: its unfinished spans go back to the queue. Returns them (forgotten here)."""
+        """``stream`` is gone: its unfinished spans are free again. Returns them (forgotten here)."""
         self._streams[stream].lost = True
         return self.interrupted(stream)
 
-    def interrupted(self, stream: int) -> list[Span]:
-        """``stream``'s connection dropped and may come back: its spans go back to the queue (returned, forgotten).
+    def forget_peer(self, peer: int) -> list[int]:
+        """Nothing more is asked of ``peer`` (it lied, failed, or left): its streams are lost. Returns them."""
+        streams = [index for index, state in enumerate(self._streams) if state.peer == peer and not state.lost]
+        for index in streams:
+            self.lost(index)
+        self._holds.forget(peer)
+        return streams
 
-        Until it is :meth:`connected` again it gets no work, and a standby
-        stream no longer waits for it.
+    def interrupted(self, stream: int) -> list[Span]:
+        """``stream``'s connection dropped and may come back: its spans are free again (returned, forgotten).
+
+        Until it is :meth:`connected` again it gets no work.
         """
         state = self._streams[stream]
         state.up = False
         state.interrupted = True
-        gone = self.outstanding(stream)
+        gone = list(state.spans)
         for span in gone:
-            del self.spans[span.xfer]
-            if not span.finished and not span.taken_over:  # a taken-over span's rest is asked elsewhere
-                self.queue.appendleft((span.next, span.stop))
+            self._close(span)
         return gone
 
     # ------------------------------------------------------------------ timing
 
     def quiet_after(self, stream: int) -> float:
         """Seconds of silence after which ``stream``'s spans may be taken over."""
-        state = self._streams[stream]
-        if state.messages == 0:
-            return QUIET_FIRST
-        return max(QUIET_MIN, QUIET_GAPS * state.gaps / state.messages)
+        return self._streams[stream].quiet_after()
+
+    def pace(self, stream: int) -> float | None:
+        """Seconds per message ``stream`` has taken on average (None: not measured yet)."""
+        return self._streams[stream].pace()
 
     def idle_since_taken_over(self, span: Span) -> bool:
         """Whether ``span`` was taken over and its stream has delivered nothing since: it did none of its work."""
         last = self._streams[span.stream].last_data
         return span.taken_at is not None and (last is None or last < span.taken_at)
 
+    def did_nothing(self, span: Span, now: float) -> bool:
+        """Whether ``span``'s stream delivered nothing since it was asked for ``span``, for at least its
+        quiet bound (and others have since served the span, or took it over)."""
+        last = self._streams[span.stream].last_data
+        idle = last is None or last < span.opened
+        return self.idle_since_taken_over(span) or (idle and now - span.opened >= self.quiet_after(span.stream))
+
     def silent_since(self, span: Span) -> float:
         """Since when ``span``'s stream has delivered nothing (counted from when the span was asked for)."""
-        last = self._streams[span.stream].last_data
-        return span.opened if last is None else max(last, span.opened)
+        return self._streams[span.stream].silent_since(span)
 
     def next_takeover_at(self) -> float:
         """When an unfinished span not yet taken over becomes quiet enough to take over (inf: none)."""
@@ -265,32 +399,90 @@ class SpanBook:
 
     # ------------------------------------------------------------------ internals
 
+    def _others(self, stream: int, now: float) -> tuple[int, int]:
+        """What the live peers other than ``stream``'s hold or are fetching: all of them, and those not
+        much slower than ``stream`` (bit sets)."""
+        peer = self._streams[stream].peer
+        mine = self.pace(stream)
+        everyone = not_slow = 0
+        for other, held in self._holds.held.items():
+            if other == peer or held is None:
+                continue
+            pace = self._peer_pace(other, now)
+            if pace is math.inf:
+                continue  # no stream left to it, or every one gone quiet: it serves nobody now
+            theirs = held | self._holds.coming.get(other, 0)
+            everyone |= theirs
+            if not (mine and pace is not None and pace > FASTER_BY * mine):
+                not_slow |= theirs
+        return everyone, not_slow
+
+    def _peer_pace(self, peer: int, now: float) -> float | None:
+        """The best measured pace of ``peer``'s live streams (None: none measured yet; inf: none serving)."""
+        streams = [index for index, state in enumerate(self._streams) if state.peer == peer and not state.lost]
+        serving = [index for index in streams if not self._streams[index].quiet(now)]
+        if not serving:
+            return math.inf
+        measured = [pace for pace in (self.pace(index) for index in serving) if pace]
+        return min(measured) if measured else None
+
+    def _choose(self, stream: int, candidates: int, now: float) -> tuple[int, int] | None:
+        """The span to ask ``stream`` for among ``candidates``: the rarest first, from this receive's offset on.
+
+        Rarest: what no other peer holds or is fetching; then what only peers
+        much slower than this stream hold or fetch. A stream to a peer then
+        takes anything its peer holds; one to the source does not: the
+        source's uplink is spent on nothing another peer is about to serve
+        as fast.
+        """
+        if not candidates:
+            return None
+        everyone, not_slow = self._others(stream, now)
+        pool = (candidates & ~everyone) or (candidates & ~not_slow)
+        if not pool and self._streams[stream].peer != SOURCE:
+            pool = candidates
+        if not pool:
+            return None
+        after = pool >> self.offset << self.offset
+        start = _lowest(after or pool)
+        return start, start + _run_length(candidates, start, min(self.span, self.messages - start))
+
+    def _victim(self, stream: int, held: int, now: float) -> Span | None:
+        """The unfinished span of another stream this one should take over, if any (see the module docstring)."""
+        mine = self.pace(stream)
+        best: Span | None = None
+        best_score = 0.0
+        for span in self.spans.values():
+            if span.stream == stream or span.taken_over or span.finished:
+                continue
+            first = self._first_missing(span.next, span.stop)
+            if first >= span.stop or not held >> first & 1:
+                continue
+            score = self._streams[span.stream].takeover_score(span, span.stop - first, mine, now)
+            if score > best_score:
+                best, best_score = span, score
+        return best
+
     def _open(self, xfer: int, stream: int, first: int, stop: int, now: float) -> Span:
         span = Span(xfer, stream, first, stop, first, now)
         self.spans[xfer] = span
+        self._streams[stream].spans.append(span)
+        self._free &= ~(((1 << (stop - first)) - 1) << first)
         return span
+
+    def _close(self, span: Span) -> None:
+        """Forget an outstanding span; what it did not deliver is free again unless another span asks for it."""
+        del self.spans[span.xfer]
+        self._streams[span.stream].spans.remove(span)
+        if span.finished:
+            return
+        rest = (((1 << (span.stop - span.next)) - 1) << span.next) & self._wanted
+        for other in self.spans.values():
+            if other.next < span.stop and span.next < other.stop:
+                rest &= ~(((1 << (other.stop - other.next)) - 1) << other.next)
+        self._free |= rest
 
     def _first_missing(self, first: int, stop: int) -> int:
         while first < stop and self.landed[first] != MISSING:
             first += 1
         return first
-
-    def _takeover_bound(self, stream: int, at_least: float) -> float:
-        """The silence after which ``stream``'s spans are taken over (``at_least``: a standby's bound)."""
-        if self._streams[stream].last_data is None:
-            at_least = min(at_least, QUIET_FIRST)
-        return max(at_least, self.quiet_after(stream))
-
-    def _quiet_span(self, stream: int, now: float, at_least: float) -> Span | None:
-        """The unfinished span of another stream that has been quiet longest, if any is quiet enough."""
-        best: Span | None = None
-        best_silence = 0.0
-        for span in self.spans.values():
-            if span.stream == stream or span.taken_over or span.finished:
-                continue
-            if self._first_missing(span.next, span.stop) >= span.stop:
-                continue
-            silence = now - self.silent_since(span)
-            if silence >= self._takeover_bound(span.stream, at_least) and silence > best_silence:
-                best, best_silence = span, silence
-        return best

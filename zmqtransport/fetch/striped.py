@@ -2,20 +2,23 @@
 
 The header has arrived (over the first connection, from a sender that serves
 span fetches: docs/protocol.md, "Spans") and the landing plan is carried out.
-Here one thread, the receiving one, owns every DEALER: it asks each connected
-stream for spans as :class:`~.spans.SpanBook` hands them out,
-lands each data message as it comes (on whichever stream), and notices
-streams that are lost (their connection closed) or stalled (silent for the
-stall bound while they owe data), whose work goes to the others. It fails only
-when no stream is left, at the transfer deadline, or on a protocol or
-integrity error of the source.
+Here one thread, the receiving one, owns every DEALER: to the source, over
+each of its paths, and, in a swarm (docs/protocol.md, "Swarm"), to each peer
+it knows. It asks each connected stream for spans as :class:`~.spans.SpanBook`
+hands them out, asks the peers what they hold and the source who the peers
+are (:class:`~.peers.Peers`), lands each data message as it comes (on
+whichever stream), and notices streams that are lost (their connection
+closed) or stalled (silent for the stall bound while they owe data), whose
+work goes to the others. It fails only when no connection to the source is
+left, at the transfer deadline, or on a protocol or integrity error of the
+source.
 
-A relay (a stream with a token: docs/protocol.md, "Relays") is a helper the
-receive does without at the first sign of trouble: every message it sends is
-checked against the source's digest before it counts (:mod:`.checking`), and a
-mismatch, any error reply, anything malformed, or silence while the source
-stands by drops it for this receive, with a WARNING naming it; its spans go to
-the source. Only the source's own refusals fail the receive.
+A peer (a stream with a token) is a helper the receive does without at the
+first sign of trouble: every message it sends is checked against the source's
+digest before it counts (:mod:`.checking`), and a mismatch, any error reply,
+anything malformed, or silence while others serve its spans drops it for this
+receive, with a WARNING naming it; its spans go to the source and the other
+peers. Only the source's own refusals fail the receive.
 """
 
 from __future__ import annotations
@@ -23,22 +26,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import zmq
 
 from .. import wire
-from ..digests import Algorithm
 from ..errors import ConnectionLostError, ProtocolError, StalledError
 from . import liveness, racing
+from .asking import Asking, SpanTerms
 from .checking import DigestTerms, RelayCheck
 from .connection import Connection
 from .inbox import Inbox
+from .peers import NewPeer, Peers
 from .replies import discard_rest, next_reply, refusal
-from .spans import SPAN_BYTES, Span, SpanBook
+from .spans import QUIET_FIRST, SOURCE, SPAN_BYTES, Span, SpanBook
 from .verify import Verdict
 
 logger = logging.getLogger("zmqtransport.fetch")
@@ -48,49 +50,32 @@ logger = logging.getLogger("zmqtransport.fetch")
 CHECK_EVERY = 0.1
 # Messages taken from one stream before the others get a turn.
 DRAIN_BATCH = 32
+# Spans one stream should get over a receive at the least: with fewer, one
+# slow stream's outstanding spans are a large part of the whole.
+MIN_SPANS_PER_STREAM = 4
+
+# Opens the connections to a new swarm peer (where it serves, its token, its id in the book).
+OpenPeer = Callable[[str, bytes, int], list[Connection]]
 
 
-@dataclass(frozen=True)
-class SpanTerms:
-    """What every span fetch of one receive shares."""
-
-    step: int
-    stage: int
-    accept_pickle: bool
-    deadline: float
-    stall_timeout: float | None
-    algorithm: Algorithm | None = None  # the source's digest algorithm (None: it publishes none)
-    inline: bool = False  # verify="all": the source's spans carry a digest per message
+def span_messages(chunk_bytes: int, messages: int = 0, streams: int = 1) -> int:
+    """Data messages per span: about :data:`SPAN_BYTES`, within the credit one request may carry,
+    and small enough that each of ``streams`` streams gets several spans of ``messages``."""
+    size = max(1, min(wire.MAX_CREDIT, math.ceil(SPAN_BYTES / chunk_bytes)))
+    if messages:
+        size = min(size, max(1, messages // (MIN_SPANS_PER_STREAM * max(1, streams))))
+    return size
 
 
-def span_messages(chunk_bytes: int) -> int:
-    """Data messages per span: about :data:`SPAN_BYTES`, within the credit one request may carry."""
-    return max(1, min(wire.MAX_CREDIT, math.ceil(SPAN_BYTES / chunk_bytes)))
-
-
-def span_request(span: Span, terms: SpanTerms, token: bytes | None, now: float) -> bytes:
-    """The span fetch for ``span``: to a relay with its ``token``; to the source, with digests if verify="all"."""
-    inline = terms.inline and token is None and terms.algorithm is not None
-    verify = [terms.algorithm.name] if inline and terms.algorithm is not None else []
-    wait_ms = max(0, int((terms.deadline - now) * 1000))
-    return wire.fetch_request(
-        span.xfer,
-        terms.step,
-        wait_ms,
-        span.stop - span.first,
-        terms.accept_pickle,
-        span=(span.first, span.stop),
-        stage=terms.stage,
-        token=token,
-        verify=verify,
-        inline=inline,
-    )
+def describe(stream: Connection, source: str) -> str:
+    """How errors name the sender on ``stream`` (``source``: the source's name, its rank where known)."""
+    return f"the peer at {stream.endpoint}" if stream.token is not None else f"{source} at {stream.endpoint}"
 
 
 def log_drop(stream: Connection, step: int, why: str, level: int | None) -> None:
-    """A stream no longer used: a relay at WARNING by default (it failed its downstream), the source at INFO."""
+    """A stream no longer used: a peer at WARNING by default (it failed this receive), the source at INFO."""
     if stream.token is not None:
-        message = "dropping the relay at %s for this receive of step %d: %s; its spans go to the source"
+        message = "dropping the peer at %s for this receive of step %d: %s; its spans go to the others"
         logger.log(logging.WARNING if level is None else level, message, stream.endpoint, step, why)
     else:
         message = "striped receive of step %d: dropping %s (%s)"
@@ -101,30 +86,48 @@ class StripedReceive:
     """Receives every data message of ``inbox``'s plan over ``streams``; the calling thread owns them all.
 
     ``who`` names the source in errors (its rank, where the caller gave one).
+    In a swarm, ``peers`` says who the other members are and ``open_peer``
+    connects to one; ``offset`` is where this receive starts its walk.
     """
 
-    def __init__(self, streams: Sequence[Connection], inbox: Inbox, terms: SpanTerms, span: int, who: str) -> None:
-        self.streams = list(streams)
+    def __init__(
+        self,
+        streams: Sequence[Connection],
+        inbox: Inbox,
+        terms: SpanTerms,
+        span: int,
+        who: str,
+        peers: Peers | None = None,
+        open_peer: OpenPeer | None = None,
+        offset: int = 0,
+    ) -> None:
+        self.streams: list[Connection] = []  # a stream's index is its place here (and in the span book)
         self.inbox = inbox
         self.terms = terms
         self.who = who
+        self.peers = peers
+        self.open_peer = open_peer
         self.messages = len(inbox.plan)
-        standby = frozenset(i for i, stream in enumerate(self.streams) if stream.standby)
-        self.book = SpanBook(self.messages, len(self.streams), span, standby=standby)
-        self.check: RelayCheck | None = None
-        if any(stream.token is not None for stream in self.streams):
-            assert terms.algorithm is not None  # a receive uses relays only when the source publishes digests
-            digest_terms = DigestTerms(terms.step, terms.stage, terms.algorithm, terms.deadline)
-            self.check = RelayCheck(self.streams, self.messages, digest_terms)
-        self.started = time.monotonic()
+        self.book = SpanBook(self.messages, 0, span, offset=offset)
         self.duplicates = 0  # messages that landed twice (the second copy dropped)
-        self.cancelled: set[int] = set()
-        self.poller = zmq.Poller()
-        for stream in self.streams:
-            self.poller.register(stream.socket, zmq.POLLIN)
-            self.poller.register(stream.watch.monitor, zmq.POLLIN)
+        check = None
+        if peers is not None:
+            assert terms.algorithm is not None  # a receive uses peers only when the source publishes digests
+            digest_terms = DigestTerms(terms.step, terms.stage, terms.algorithm, terms.deadline)
+            check = RelayCheck(self.streams, self.messages, digest_terms)
+        self.asking = Asking(self.streams, self.book, terms, peers, check, inbox.duty)
+        self.lanes = Lanes(self.streams, self.book, self.asking, terms.step)
+        for stream in streams:
+            self.lanes.add(stream)
+        if peers is not None:
+            self._connect(peers.learn())
 
     # ------------------------------------------------------------------ the loop
+
+    @property
+    def check(self) -> RelayCheck | None:
+        """How peers' messages are checked (None: no peers, or nothing they send can be checked any more)."""
+        return self.asking.check
 
     def run(self) -> None:
         """Until every message has landed."""
@@ -132,27 +135,34 @@ class StripedReceive:
             while not self.book.complete:
                 now = time.monotonic()
                 self._follow_connections(now)
-                self._ask(now)
-                if self.check is not None:
-                    self.check.ask(self._relayed_spans(), now)
+                for index in self.asking.send(now):
+                    self.lanes.drop(index, "its connection takes no requests")
                 self._check_bounds(now)
-                ready = dict(self.poller.poll(self._wait_ms(now)))
+                ready = dict(self.lanes.poller.poll(self._wait_ms(now)))
                 for index, stream in enumerate(self.streams):
                     if not stream.gone and stream.socket in ready:
                         self._drain(index, stream)
         finally:
-            self._cancel(list(self.book.spans.values()))
-            if self.check is not None:
-                self.check.cancel_all()
-
-    def _relayed_spans(self) -> list[Span]:
-        return [span for span in self.book.spans.values() if self.streams[span.stream].token is not None]
+            self.asking.cancel_all()
 
     def _wait_ms(self, now: float) -> int:
         wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
-        return max(0, math.ceil((wake - now) * 1000))
+        if self.peers is not None:
+            wake = min(wake, self.peers.next_due(self.asking.busy()))
+        return max(0, math.ceil((max(wake, now) - now) * 1000))
 
     # ------------------------------------------------------------------ streams
+
+    def _connect(self, fresh: list[NewPeer]) -> None:
+        for new in fresh:
+            assert self.open_peer is not None  # a receive with peers can open them
+            try:
+                connections = self.open_peer(new.at, new.token, new.peer)
+            except ProtocolError as exc:
+                logger.warning("striped receive of step %d: cannot fetch from a peer: %s", self.terms.step, exc)
+                continue
+            for connection in connections:
+                self.lanes.add(connection)
 
     def _follow_connections(self, now: float) -> None:
         for index, stream in enumerate(self.streams):
@@ -164,86 +174,46 @@ class StripedReceive:
             if lost_for is not None and lost_for >= liveness.SETTLE_AFTER_LOSS:
                 self._drain(index, stream)  # what arrived before the connection closed still counts
                 if lost_for >= liveness.RECONNECT_GRACE:
-                    self._drop(index, stream, "connection lost")
-                elif not stream.interrupted:
+                    self.lanes.drop(index, "connection lost")
+                elif not stream.interrupted and not stream.gone:
                     # The DEALER reconnects by itself (a source that rebuilt its
                     # ROUTER answers again within milliseconds): its spans go to
                     # the others now, and it gets work again once it is back.
                     stream.interrupted = True
-                    self._cancel(self.book.interrupted(index))
+                    self.asking.cancel(self.book.interrupted(index))
                 continue
             stream.interrupted = False
-            if not state.established and now - self.started >= racing.CONNECT_BOUND:
-                self._drop(index, stream, "did not connect")
+            # A path of the source that does not connect is given up on (it may
+            # never: see racing); a peer's is simply given no work until it does.
+            late = now - self.lanes.added[index] >= racing.CONNECT_BOUND
+            if not state.established and late and stream.peer == SOURCE:
+                self.lanes.drop(index, "did not connect")
                 continue
             self.book.connected(index, state.established and state.lost_at is None)
             owed = [span for span in self.book.outstanding(index) if not span.finished]
+            silent = now - min(self.book.silent_since(s) for s in owed) if owed else 0.0
             stall = self.terms.stall_timeout
-            if owed and stall is not None and now - min(self.book.silent_since(s) for s in owed) >= stall:
-                self._drop(index, stream, f"sent nothing for {stall:.3g} s (stall_timeout)")
+            if stall is not None and silent >= stall:
+                self.lanes.drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
+            elif stream.token is not None and silent >= max(QUIET_FIRST, self.book.quiet_after(index)):
+                # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
+                self.lanes.drop_peer(stream.peer, f"sent nothing for {silent:.2g} s of what it holds")
 
-    def _drop(
-        self, index: int, stream: Connection, why: str, level: int | None = None, believed: bool = True
-    ) -> None:
-        """Stop using a stream; logged at ``level`` (default: WARNING for a relay, INFO for the source).
+    def _idle_peers(self, done: list[Span]) -> None:
+        """Spans whose rest landed from others: a peer that sent nothing for them is dropped.
 
-        ``believed``: a dropped relay's messages still waiting for their
-        digest are checked when it comes (it failed, it did not lie);
-        otherwise they are fetched again.
+        It held them through a quiet bound, or while another stream served
+        them: dropped now, it is not given new spans to hold, so a peer that
+        serves nothing costs this receive one quiet bound, not one per span.
         """
-        log_drop(stream, self.terms.step, why, level)
-        stream.gone = why
-        self.book.lost(index)
-        if self.check is not None:
-            if stream.token is None:
-                self.check.source_lost(index)
-            elif not believed:
-                self.book.rejected(self.check.relay_dropped(index))
-        with contextlib.suppress(KeyError):
-            self.poller.unregister(stream.socket)
-            self.poller.unregister(stream.watch.monitor)
-        stream.close()
-
-    def _ask(self, now: float) -> None:
-        for index, stream in enumerate(self.streams):
-            if stream.gone:
-                continue
-            while (span := self.book.assign(index, random.getrandbits(63), now)) is not None:
-                try:
-                    stream.socket.send(span_request(span, self.terms, stream.token, now), zmq.NOBLOCK)
-                except zmq.Again:
-                    self._drop(index, stream, "its connection takes no requests")
-                    break
-
-    def _idle_relays(self, done: list[Span]) -> None:
-        """Spans whose rest landed from others: a relay that sent nothing since they were taken over is dropped.
-
-        It held them through a quiet bound (:data:`~.spans.STANDBY_QUIET`, or
-        :data:`~.spans.QUIET_FIRST` before its first message) and
-        then while another stream served them: dropped now, it is not given
-        new spans to hold, so a relay that serves nothing costs its downstream
-        one quiet bound, not one per span. One that was only waiting for its
-        own upstream has sent something by then (its upstream's pace is the
-        downstream's), and is kept.
-        """
+        now = time.monotonic()
         for span in done:
             stream = self.streams[span.stream]
-            if stream.token is not None and not stream.gone and self.book.idle_since_taken_over(span):
-                why = "sent nothing for a quiet bound, nor while the source served its spans"
-                self._drop(span.stream, stream, why)
+            if stream.token is not None and not stream.gone and self.book.did_nothing(span, now):
+                self.lanes.drop_peer(stream.peer, "sent nothing for a quiet bound, nor while others served its spans")
 
     def _check_bounds(self, now: float) -> None:
-        if self.check is not None and all(s.gone for s in self.streams if s.token is None):
-            # Nothing a relay sends can be checked any more.
-            for index, stream in enumerate(self.streams):
-                if not stream.gone:
-                    why = "no connection to the source is left to check its messages against"
-                    self._drop(index, stream, why, believed=False)
-        if all(stream.gone for stream in self.streams):
-            tried = ", ".join(f"{s.endpoint} ({s.gone})" for s in self.streams)
-            stalled = all("stall" in s.gone for s in self.streams)
-            message = f"every connection to the source failed mid-transfer: {tried}"
-            raise StalledError(message) if stalled else ConnectionLostError(message)
+        self.lanes.check_source()
         if now >= self.terms.deadline:
             waiting = ", ".join(s.endpoint for s in self.streams if not s.gone)
             raise TimeoutError(
@@ -254,7 +224,7 @@ class StripedReceive:
     # ------------------------------------------------------------------ messages
 
     def _drain(self, index: int, stream: Connection) -> None:
-        who = self._describe(stream)
+        who = describe(stream, self.who)
         for _ in range(DRAIN_BATCH):
             try:
                 reply = next_reply(stream.socket, who)
@@ -264,47 +234,65 @@ class StripedReceive:
             except ProtocolError as exc:
                 if stream.token is None:
                     raise  # the source's own: the receive fails
-                self._drop(index, stream, f"malformed message: {exc}", believed=False)
+                self.lanes.drop_peer(stream.peer, f"malformed message: {exc}", believed=False)
             if self.book.complete or stream.gone:
                 return
-
-    def _describe(self, stream: Connection) -> str:
-        return f"the relay at {stream.endpoint}" if stream.token is not None else f"{self.who} at {stream.endpoint}"
 
     def _handle(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
         xfer = reply.xfer
         if reply.op == wire.OP_DATA and reply.more:
             self._on_data(index, stream, reply, who)
         elif reply.op == wire.OP_END and not reply.more:
-            if xfer in self.cancelled:
+            if xfer in self.asking.cancelled:
                 return
             assert xfer is not None  # wire.decode_reply: only an error may lack an id
             try:
                 done = self.book.on_end(xfer)
             except ValueError as exc:
                 raise ProtocolError(f"{who}: {exc}") from None
-            self._idle_relays(done)
-            self._cancel(done)
+            self._idle_peers(done)
+            self.asking.cancel(done)
+        elif reply.op == wire.OP_HAVE and not reply.more:
+            self._on_have(stream, reply, who)
         elif reply.op == wire.OP_ERROR:
             discard_rest(stream.socket)
-            if xfer in self.cancelled:
-                return
-            if stream.token is not None:
-                # A relay is a helper: whatever it refuses, the source or another relay serves.
-                stopped = reply.code == wire.ERR_NOT_RELAYING  # it stopped relaying: routine
-                why = f"error reply [{reply.code}] {reply.text}"
-                self._drop(index, stream, why, logging.INFO if stopped else None, believed=stopped)
-                return
-            if self.check is not None and self.check.asked(xfer):
-                assert xfer is not None
-                self._no_digests(xfer, f"[{reply.code}] {reply.text}")
-                return
-            raise refusal(reply, who, self.terms.step)
+            self._on_error(stream, reply, who)
         elif reply.op == wire.OP_DIGESTS and not reply.more and stream.token is None and self.check is not None:
             self._judge(self.check.answered(reply, who) or [])
         else:
             discard_rest(stream.socket)
             raise ProtocolError(f"unexpected {reply.op!r} message from {who} in a striped receive")
+
+    def _on_error(self, stream: Connection, reply: wire.Reply, who: str) -> None:
+        xfer = reply.xfer
+        if xfer in self.asking.cancelled:
+            return
+        if stream.token is not None:
+            # A peer is a helper: whatever it refuses, the source or another peer serves.
+            stopped = reply.code == wire.ERR_NOT_RELAYING  # it stopped serving: routine at the end of its tail
+            why = f"error reply [{reply.code}] {reply.text}"
+            self.lanes.drop_peer(stream.peer, why, logging.INFO if stopped else None, believed=stopped)
+            return
+        check = self.check
+        if check is not None and check.asked(xfer):
+            assert xfer is not None
+            check.withdraw(xfer)
+            why = f"the source refused the digests to check it against: [{reply.code}] {reply.text}"
+            self.lanes.give_up_on_peers(why)
+            return
+        if self.peers is not None and self.peers.answered(xfer) is not None:
+            return  # a question about the swarm the source does not answer: no more members to learn of
+        raise refusal(reply, who, self.terms.step)
+
+    def _on_have(self, stream: Connection, reply: wire.Reply, who: str) -> None:
+        peer = self.peers.answered(reply.xfer) if self.peers is not None else None
+        if peer is None or self.peers is None or peer != stream.peer:
+            raise ProtocolError(f"{who}: a have reply to no question")
+        if peer == SOURCE:
+            if self.check is not None:  # peers only while their bytes can be checked
+                self._connect(self.peers.learn(reply.peers))
+        elif not self.peers.dropped(peer):
+            self.book.holds(peer, reply.have or 0, reply.coming)
 
     def _on_data(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
         seq = reply.seq
@@ -312,7 +300,10 @@ class StripedReceive:
             discard_rest(stream.socket)
             raise ProtocolError(f"data message number {seq} out of range from {who}")
         assert reply.xfer is not None  # wire.decode_reply: only an error may lack an id
-        relayed = self.check is not None and stream.token is not None
+        relayed = stream.token is not None
+        if relayed and self.check is None:
+            discard_rest(stream.socket)  # a peer's message that can no longer be checked never counts
+            return
         try:
             fresh = self.book.on_data(reply.xfer, seq, time.monotonic(), held=relayed)
         except ValueError as exc:
@@ -326,7 +317,7 @@ class StripedReceive:
         try:
             _, digest = self.inbox.receive(stream.socket, reply, who, relayed)
         except ProtocolError:
-            self.book.rejected([seq])
+            self.book.rejected([seq])  # whatever landed of it is overwritten by a good copy
             raise
         if not relayed:
             self._count(seq, reply.crc, index)
@@ -337,7 +328,7 @@ class StripedReceive:
             self._judge([Verdict(seq, index, verdict)])
 
     def _judge(self, verdicts: list[Verdict]) -> None:
-        """Relayed messages checked against the source's digests: counted, or their relay dropped."""
+        """Relayed messages checked against the source's digests: counted, or their peer dropped."""
         for verdict in verdicts:
             stream = self.streams[verdict.stream]
             if verdict.ok:
@@ -347,7 +338,7 @@ class StripedReceive:
             if not stream.gone:
                 algorithm = self.terms.algorithm.name if self.terms.algorithm is not None else "digest"
                 why = f"data message {verdict.seq} does not match the source's {algorithm} digest"
-                self._drop(verdict.stream, stream, why, believed=False)
+                self.lanes.drop_peer(stream.peer, why, believed=False)
 
     def _count(self, seq: int, crc: int | None, index: int) -> None:
         """Message ``seq`` from stream ``index`` has landed (checked where it had to be)."""
@@ -357,19 +348,80 @@ class StripedReceive:
         stream.bytes += self.inbox.offsets[seq + 1] - self.inbox.offsets[seq]
         stream.messages += 1
 
-    def _no_digests(self, xfer: int, why: str) -> None:
-        """The source refused a digest request: nothing relays send can be checked; fetch it all from the source."""
-        assert self.check is not None
-        self.check.withdraw(xfer)
-        for index, stream in enumerate(self.streams):
-            if stream.token is not None and not stream.gone:
-                self._drop(index, stream, f"the source refused the digests to check it against: {why}", believed=False)
 
-    def _cancel(self, spans: list[Span]) -> None:
-        """Tell the source to stop sending spans this receive no longer needs (best effort)."""
-        for span in spans:
-            self.cancelled.add(span.xfer)
-            stream = self.streams[span.stream]
-            if not stream.gone:
-                with contextlib.suppress(zmq.ZMQError):
-                    stream.socket.send(wire.cancel_request(span.xfer), zmq.NOBLOCK)
+class Lanes:
+    """The streams of one striped receive (``streams``, shared with it) and what becomes of each.
+
+    It adds streams (to the span book and the poller) and drops them: a
+    dropped stream's spans go to the others, and a peer dropped for a lie
+    has its messages still waiting for their digest fetched again.
+    """
+
+    def __init__(self, streams: list[Connection], book: SpanBook, asking: Asking, step: int) -> None:
+        self.streams = streams
+        self.book = book
+        self.asking = asking
+        self.step = step
+        self.added: list[float] = []  # when each stream joined the receive (a peer learned of later, later)
+        self.poller = zmq.Poller()
+
+    def add(self, stream: Connection) -> None:
+        self.streams.append(stream)
+        self.added.append(time.monotonic())
+        self.book.add_stream(stream.peer)
+        self.poller.register(stream.socket, zmq.POLLIN)
+        self.poller.register(stream.watch.monitor, zmq.POLLIN)
+
+    def drop(self, index: int, why: str, level: int | None = None, believed: bool = True) -> None:
+        """Stop using stream ``index``; logged at ``level`` (default: WARNING for a peer, INFO for the source).
+
+        ``believed``: a dropped peer's messages still waiting for their digest
+        are checked when it comes (it failed, it did not lie); otherwise they
+        are fetched again.
+        """
+        stream = self.streams[index]
+        log_drop(stream, self.step, why, level)
+        stream.gone = why
+        self.book.lost(index)
+        check = self.asking.check
+        if check is not None:
+            if stream.token is None:
+                check.source_lost(index)
+            elif not believed:
+                self.book.rejected(check.relay_dropped(index))
+        with contextlib.suppress(KeyError):
+            self.poller.unregister(stream.socket)
+            self.poller.unregister(stream.watch.monitor)
+        stream.close()
+
+    def drop_peer(self, peer: int, why: str, level: int | None = None, believed: bool = True) -> None:
+        """Fetch nothing more from ``peer`` in this receive: its spans go to the source and the others."""
+        peers = self.asking.peers
+        assert peers is not None and peer != SOURCE
+        peers.drop(peer)
+        self.book.forget_peer(peer)
+        for index, stream in enumerate(self.streams):
+            if stream.peer == peer and not stream.gone:
+                self.drop(index, why, level, believed)
+                level = logging.DEBUG  # named once
+
+    def check_source(self) -> None:
+        """Raise when no connection to the source is left: peers serve only what they have, and
+        nothing they send can be checked without the source."""
+        if any(not stream.gone for stream in self.streams if stream.peer == SOURCE):
+            return
+        tried = ", ".join(f"{s.endpoint} ({s.gone or 'a peer'})" for s in self.streams)
+        stalled = all("stall" in s.gone for s in self.streams if s.peer == SOURCE)
+        message = f"every connection to the source failed mid-transfer: {tried}"
+        raise StalledError(message) if stalled else ConnectionLostError(message)
+
+    def give_up_on_peers(self, why: str) -> None:
+        """Nothing peers send can be checked (the source refused the digests): fetch it all from the source."""
+        check, peers = self.asking.check, self.asking.peers
+        assert check is not None and peers is not None
+        waiting = list(check.book.pending)  # held, and now never to be checked
+        for peer in list(peers.tokens):
+            if not peers.dropped(peer):
+                self.drop_peer(peer, why, believed=False)
+        self.book.rejected(waiting)
+        self.asking.check = None  # and no new peer is connected

@@ -13,6 +13,9 @@
     frames.HeldFrames  frames libzmq still holds, per transfer: progress, stuck receivers,
                        when to close the socket, when a disallow may return
     staged.Staged   what is served: the header and the memory of one step
+    disallows.Disallows  a disallow_checkpoint in progress: the running receives' snapshot, when the caller goes
+    withdrawn.Withdrawals (pure) withdrawn stagings, what their running receives may still ask for
+    snapshot.Snapshot  a copy of that, taken on a thread of its own, served instead of the tensors
 """
 
 from .server import Server

@@ -34,19 +34,23 @@ from .. import wire
 from ..digests import Algorithm, Hasher
 from .router import Router
 from .scheduler import Key, Scheduler, Transfer
+from .snapshot import Snapshot
 from .staged import Staged
+
+# What digests are computed from: a staging, or the copy a disallow left its running receives.
+Hashed = Staged | Snapshot
 
 # Bytes hashed per serving round for digest requests: about 2-8 ms at 1-4 GB/s,
 # so a request never holds up the data pump (or a disallow) for long.
 ROUND_BYTES = 8 << 20
 
 
-def cached(staged: Staged, algorithm: Algorithm, seq: int) -> bytes | None:
+def cached(staged: Hashed, algorithm: Algorithm, seq: int) -> bytes | None:
     table = staged.digests.get(algorithm.name)
     return None if table is None else table[seq]
 
 
-def remember(staged: Staged, algorithm: Algorithm, seq: int, digest: bytes) -> None:
+def remember(staged: Hashed, algorithm: Algorithm, seq: int, digest: bytes) -> None:
     table = staged.digests.get(algorithm.name)
     if table is None:
         table = staged.digests[algorithm.name] = [None] * staged.messages
@@ -57,7 +61,7 @@ def envelope_digest(transfer: Transfer, seq: int, payload: Any) -> bytes | None:
     """Hash ``payload`` (data message ``seq``, being sent) once per staging; the envelope's ``dg``, if inline."""
     hashing = transfer.hashing
     staged = transfer.staged
-    if hashing is None or not isinstance(staged, Staged):
+    if hashing is None or not isinstance(staged, Staged | Snapshot):
         return None
     digest = cached(staged, hashing.algorithm, seq)
     if digest is None:
@@ -68,7 +72,7 @@ def envelope_digest(transfer: Transfer, seq: int, payload: Any) -> bytes | None:
     return digest if hashing.inline else None
 
 
-def host_readable(staged: Staged, seq: int) -> bool:
+def host_readable(staged: Hashed, seq: int) -> bool:
     """Whether message ``seq`` can be hashed from host memory (not built from device memory)."""
     plan = staged.device_plan
     return plan is None or not plan.chunks[seq]
@@ -109,9 +113,9 @@ class DigestWork:
                 due = due or host_readable(self._staged(transfer), transfer.next_seq)
         return due
 
-    def _staged(self, transfer: Transfer) -> Staged:
+    def _staged(self, transfer: Transfer) -> Hashed:
         staged = transfer.staged
-        assert isinstance(staged, Staged)  # the scheduler starts digest transfers for a staging only
+        assert isinstance(staged, Staged | Snapshot)  # the scheduler starts digest transfers for a staging only
         return staged
 
     def _advance(self, transfer: Transfer, budget: int) -> int:
@@ -134,7 +138,7 @@ class DigestWork:
             self._scheduler.progress({transfer.key}, time.monotonic())
         return budget
 
-    def _hash_some(self, transfer: Transfer, staged: Staged, algorithm: Algorithm, budget: int) -> int:
+    def _hash_some(self, transfer: Transfer, staged: Hashed, algorithm: Algorithm, budget: int) -> int:
         """Hash up to ``budget`` bytes of message ``transfer.next_seq``; returns the bytes hashed."""
         seq = transfer.next_seq
         partial = self._partial.get(transfer.key)

@@ -6,15 +6,24 @@ attribute, such as pyzmq's ``MessageTracker``; the caller passes the time.
 libzmq lets go of a frame once its bytes are in the kernel: for a receiver
 that reads, frames are released continuously (the transfer makes progress);
 for one that stopped reading (frozen, host gone, stuck), they stay queued.
-Frames that reference staged memory (``pinned``) must all be released before
-``disallow_checkpoint`` returns; closing the socket frees them at once, at the
-price of every other connection, so that is done only when no receiver that
-is making progress would lose data (docs/protocol.md, "Releasing staged memory").
+Frames that reference the caller's tensors (``pinned``) must all be released
+before ``disallow_checkpoint`` returns, so few may be queued at any moment: a
+pinned frame goes out only while what libzmq holds for its connection, and the
+frame, drain within :data:`PINNED_DRAIN` at the rate that connection last
+drained (:meth:`HeldFrames.may_send`); otherwise its transfer pauses until
+frames of that connection are released. On a fast link that never binds (the
+receiver's credit does); on a slow one the kernel's socket buffer keeps the
+link busy while libzmq holds a few frames, and a disallow waits for little.
+Closing the socket frees every frame at once, at the price of every other
+connection: it is done when no receiver that is making progress would lose
+data, or when a disallow waits only for frames of receivers that are stuck
+(docs/protocol.md, "Releasing staged memory").
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -31,6 +40,13 @@ T = TypeVar("T", bound=Tracker)
 # Seconds between looks at held frames: a release is dated to the look that
 # sees it, so this is how late progress (and a stuck receiver) is noticed.
 RELEASE_POLL = 0.05
+# Seconds: the most the pinned frames queued for one connection may be
+# expected to take to drain, at the rate its frames last drained: what a
+# disallow waits for such frames of a receiver that keeps reading.
+PINNED_DRAIN = 0.03
+# Seconds between looks at held frames while a transfer waits for its
+# connection to drain (it sends again as soon as a look sees a release).
+PAUSED_POLL = 0.002
 
 
 @dataclass
@@ -41,28 +57,63 @@ class _Waiting:
 
 
 @dataclass
+class _Frame(Generic[T]):
+    tracker: T
+    nbytes: int
+    sent_at: float
+    ahead: int  # bytes libzmq still held for the same connection when this one was queued
+    pinned: bool  # references the caller's tensors (else a buffer of this side's: it only tells progress)
+
+
+@dataclass
 class _Frames(Generic[T]):
     """The frames of one transfer that libzmq has not released yet."""
 
     last_release: float  # when one of them was last released (or the first was queued)
-    pinned: list[T] = field(default_factory=list)  # reference staged memory
-    copies: list[T] = field(default_factory=list)  # their own buffers: only tell progress
+    held: list[_Frame[T]] = field(default_factory=list)
     closing: bool = False  # queued on a socket that has since been closed: libzmq is freeing them
+
+    @property
+    def pinned(self) -> list[T]:
+        return [frame.tracker for frame in self.held if frame.pinned]
 
 
 class HeldFrames(Generic[T]):
-    """Frames handed to libzmq, per transfer, until libzmq lets go of them."""
+    """Frames handed to libzmq, per transfer, until libzmq lets go of them; drain rates per connection."""
 
     def __init__(self, stall: float) -> None:
         self.stall = stall  # frames not released for this long belong to a stuck receiver
         self._frames: dict[Key, _Frames[T]] = {}
         self._waiting: list[_Waiting] = []
+        # Per connection (routing id): bytes held, and the rate they last drained at (bytes per second).
+        self._queued: dict[bytes, int] = {}
+        self._rates: dict[bytes, float] = {}
+        self._paused: set[bytes] = set()  # connections a transfer waits on (may_send said no)
 
-    def track(self, key: Key, tracker: T, pinned: bool, now: float) -> None:
+    def track(self, key: Key, tracker: T, pinned: bool, now: float, nbytes: int = 0) -> None:
         frames = self._frames.get(key)
         if frames is None:
             frames = self._frames[key] = _Frames(now)
-        (frames.pinned if pinned else frames.copies).append(tracker)
+        queued = self._queued.get(key[0], 0)
+        frames.held.append(_Frame(tracker, nbytes, now, queued, pinned))
+        self._queued[key[0]] = queued + nbytes
+
+    def may_send(self, key: Key, nbytes: int) -> bool:
+        """Whether a pinned frame of ``nbytes`` may be queued for this transfer now.
+
+        Yes when nothing is queued for its connection, or when what is and the
+        frame drain within :data:`PINNED_DRAIN` at the rate the connection
+        last drained; no while that rate is unknown and frames are queued.
+        After a no, :meth:`poll` reports the transfer's connection as soon as
+        one of its frames is released, and :meth:`wakeup_in` looks often.
+        """
+        peer = key[0]
+        queued = self._queued.get(peer, 0)
+        rate = self._rates.get(peer)
+        if queued == 0 or (rate is not None and (queued + nbytes) / rate <= PINNED_DRAIN):
+            return True
+        self._paused.add(peer)
+        return False
 
     def wait(self, done: threading.Event, deadline: float) -> None:
         """Set ``done`` once no pinned frame is held; past ``deadline`` :meth:`must_close` says so."""
@@ -78,26 +129,44 @@ class HeldFrames(Generic[T]):
         return sum(len(frames.pinned) for frames in self._frames.values())
 
     def trackers(self) -> list[T]:
-        return [t for frames in self._frames.values() for t in frames.pinned + frames.copies]
+        return [frame.tracker for frames in self._frames.values() for frame in frames.held]
 
     def poll(self, now: float) -> set[Key]:
         """Forget released frames and wake waiters; returns the transfers that made progress."""
         progressed: set[Key] = set()
         for key, frames in list(self._frames.items()):
-            pinned = [t for t in frames.pinned if not t.done]
-            copies = [t for t in frames.copies if not t.done]
-            if len(pinned) + len(copies) < len(frames.pinned) + len(frames.copies):
-                progressed.add(key)
-                frames.last_release = now
-            frames.pinned, frames.copies = pinned, copies
-            if not pinned and not copies:
+            held = [frame for frame in frames.held if not frame.tracker.done]
+            if len(held) == len(frames.held):
+                continue
+            progressed.add(key)
+            frames.last_release = now
+            released = [f for f in frames.held if f.tracker.done]
+            peer = key[0]
+            self._queued[peer] = max(0, self._queued.get(peer, 0) - sum(f.nbytes for f in released))
+            latest = max(released, key=lambda f: f.sent_at)
+            # What was ahead of it and itself drained in the time it was held.
+            self._rates[peer] = (latest.ahead + latest.nbytes) / max(now - latest.sent_at, 1e-6)
+            self._paused.discard(peer)
+            if held:
+                frames.held = held
+            else:
                 del self._frames[key]
         if self._waiting and not any(frames.pinned for frames in self._frames.values()):
             self.release_waiters()
         return progressed
 
+    def retain(self, peers: Container[bytes]) -> None:
+        """Forget the drain rates of connections not in ``peers`` (no transfer of theirs runs)."""
+        for peer in [p for p in self._rates if p not in peers]:
+            del self._rates[peer]
+        for peer in [p for p, queued in self._queued.items() if not queued and p not in peers]:
+            del self._queued[peer]
+        self._paused = {peer for peer in self._paused if peer in peers}
+
     def wakeup_in(self, now: float) -> float | None:
         """Seconds until :meth:`poll` should look again (None: nothing held that matters)."""
+        if self._paused:
+            return PAUSED_POLL
         held = [frames.last_release for frames in self._frames.values() if frames.pinned and not frames.closing]
         if not held:
             return None
@@ -118,8 +187,10 @@ class HeldFrames(Generic[T]):
             for waiting in self._waiting:
                 waiting.forced = True
             return True
-        if transfers_running:
+        if transfers_running and not self._waiting:
             return False
+        # A disallow waits for these frames alone: receivers that took nothing
+        # for the stall bound never hold it longer, whatever else runs.
         return all(now - frames.last_release > self.stall for frames in held)
 
     def socket_closed(self) -> None:

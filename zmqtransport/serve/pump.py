@@ -1,7 +1,10 @@
 """The data path of the serving thread: data messages for the transfers the scheduler offers.
 
 Device memory goes out through the stager's pinned ring (:mod:`zmqtransport.device`):
-a message is sent once its copy to host memory is complete.
+a message is sent once its copy to host memory is complete. A message that
+references the caller's tensors waits (its transfer pauses) while its
+connection holds more than a disallow should wait for
+(:meth:`.frames.HeldFrames.may_send`).
 """
 
 from __future__ import annotations
@@ -71,12 +74,16 @@ class DataPump:
         staged_view = self._stager.take(key, seq) if staged.device_plan is not None else None
         payload: Any
         if staged_view is not None:
-            payload, references_tensor = staged_view, True  # a pinned staging buffer
+            # The stager's own buffer, reused only once libzmq lets go of it: not the caller's memory.
+            payload, references_tensor = staged_view, False
         else:
             try:
                 payload, references_tensor = staged.payload(seq)
             except RelayStopped:
                 self._scheduler.drop(transfer)  # the relay's receive returned; stop_relay tells its receiver
+                return []
+            if references_tensor and not self._held.may_send(key, len(payload)):
+                transfer.paused = True  # until a frame of its connection is released
                 return []
         digest = envelope_digest(transfer, seq, payload)
         envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload), digest)
@@ -90,7 +97,7 @@ class DataPump:
             return []
         now = time.monotonic()
         if tracker is not None:
-            self._held.track(key, tracker, pinned=references_tensor, now=now)
+            self._held.track(key, tracker, pinned=references_tensor, now=now, nbytes=len(payload))
         if staged_view is not None:
             self._stager.sent(key, seq, tracker)  # the buffer is reused once libzmq lets go
         return self._scheduler.sent(transfer, now)

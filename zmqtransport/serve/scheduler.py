@@ -13,15 +13,18 @@ per round, so concurrent receivers share the link.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import digests, wire
+from .. import relayed as shared_relaying
+from ..net import is_local_address
 from ..relayed import Relayed
-from .chain import Chain
+from .snapshot import Snapshot
 from .staged import Served, Staged
+from .swarm import Swarm
+from .withdrawn import Withdrawals
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
 
@@ -45,13 +48,6 @@ class Limits:
 # requests re-parked after a rebind.
 IDLE_WAKEUP = 1.0
 
-# Whether receivers on this host (a loopback connection) are chained into
-# relays. Not by default: a relay trades the receivers' uplinks for the
-# source's, and one host has one memory system, not several links. Measured on
-# loopback, three fresh 1 GiB receivers at once: the slowest took 2.99 s
-# relayed against 2.31 s for HTTPTransport. Tests turn it on to exercise relays
-# on one machine.
-RELAY_LOOPBACK = False
 # How long a span fetch for a relay token this side has not registered waits
 # for it (the receive registers it as soon as it has parsed the header).
 RELAY_REGISTER_GRACE = 2.0
@@ -72,7 +68,7 @@ class Transfer:
 
     peer: bytes
     xfer: int
-    staged: Served  # what it sends: the staged step, or a step this side relays (Relayed)
+    staged: Served  # what it sends: the staged step, a withdrawn one's snapshot, or a step this side relays
     credit: int
     address: str
     started: float
@@ -80,6 +76,9 @@ class Transfer:
     next_seq: int = 0
     stop: int = -1  # one past the last data message to send; -1: the whole plan
     span: bool = False  # a span fetch (part of a striped receive): no header was sent
+    # Its connection holds what a disallow should wait for at most (serve/frames.py):
+    # it sends again once a frame of that connection is released.
+    paused: bool = False
     hashing: Hashing | None = None
     # A digest request: answered with the span's digests (serve.digests.DigestWork), no data.
     digests_only: bool = False
@@ -99,7 +98,13 @@ class Transfer:
 
     @property
     def sendable(self) -> bool:
-        return self.credit > 0 and not self.done and not self.digests_only and self.staged.available(self.next_seq)
+        return (
+            self.credit > 0
+            and not self.paused
+            and not self.done
+            and not self.digests_only
+            and self.staged.available(self.next_seq)
+        )
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,18 @@ class SendHeader:
 
 
 @dataclass(frozen=True)
+class Have:
+    """Answer a ``have`` request: what this side holds (None: everything) and, as the source, the swarm."""
+
+    peer: bytes
+    xfer: int
+    bits: int | None
+    messages: int
+    peers: tuple[wire.Peer, ...] = ()
+    coming: int = 0
+
+
+@dataclass(frozen=True)
 class Finish:
     """Every data message went out: send ``end`` and record the transfer."""
 
@@ -166,7 +183,7 @@ class Finish:
     seconds: float
 
 
-Action = Refuse | Abort | SendHeader | Finish
+Action = Refuse | Abort | SendHeader | Finish | Have
 
 
 class Scheduler:
@@ -178,8 +195,10 @@ class Scheduler:
         stall: float | None = None,
         limits: Limits | None = None,
         make_token: Callable[[], bytes] | None = None,
+        is_local: Callable[[str], bool] = is_local_address,
     ) -> None:
-        self.relay_loopback = RELAY_LOOPBACK
+        self.relay_loopback = shared_relaying.RELAY_LOOPBACK  # read here: tests patch the module
+        self.is_local = is_local  # whether a peer address belongs to this host
         # Relay tokens: unguessable, handed out only to the staged step's receivers.
         self.make_token = make_token if make_token is not None else lambda: os.urandom(wire.RELAY_TOKEN_BYTES)
         # A transfer whose receiver grants no credit and takes no data for this
@@ -187,9 +206,10 @@ class Scheduler:
         self.stall = timeout if stall is None else min(stall, timeout)
         self.limits = limits if limits is not None else Limits()
         self.staged: Staged | None = None
+        self.withdrawals = Withdrawals(self.stall, timeout)  # also the staged step's readers
         self.transfers: dict[Key, Transfer] = {}
         self.parked: list[Parked] = []
-        self.chain = Chain()  # receivers of the staged step that offered to relay
+        self.swarm = Swarm()  # receivers of the staged step that offered to relay
         self.relaying = RelayedSteps(self.limits.parked)  # steps this side relays (as a receiver)
         self._rebound_at = float("-inf")
 
@@ -198,20 +218,24 @@ class Scheduler:
     def stage(self, staged: Staged, now: float) -> list[Action]:
         """Serve ``staged`` from now on; requests parked until now start (or are refused)."""
         self.staged = staged
-        self.chain.clear()
+        self.withdrawals.readers.clear()
+        self.swarm.clear()
         return self._retry_parked(now)
 
-    def disallow(self) -> list[Action]:
-        """Stop serving: nothing is staged, and every running transfer of it ends ``disallowed``."""
+    def disallow(self, now: float, cap: int) -> tuple[int, int]:
+        """Serve the staged step to no new receive; the running ones finish (:mod:`.withdrawn`).
+
+        ``cap``: the most bytes its snapshot may take, with those still alive;
+        until the snapshot is taken (:attr:`withdrawals`, which the socket owner
+        asks what to copy), they read the caller's tensors. Returns how many
+        receives of it were running, and the bytes they may still ask for.
+        """
+        running = (0, 0)
+        if self.staged is not None:
+            running = self.withdrawals.withdraw(self.staged, self.transfers.values(), now, cap)
         self.staged = None
-        self.chain.clear()
-        aborts: list[Action] = []
-        for transfer in list(self.transfers.values()):
-            if isinstance(transfer.staged, Relayed):
-                continue  # relaying is the receive's business, not the staged step's
-            message = f"step {transfer.staged.step} is no longer served"
-            aborts.append(self._abort(transfer, wire.ERR_DISALLOWED, message))
-        return aborts
+        self.swarm.clear()
+        return running
 
     def on_request(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
         key = (peer, request.xfer)
@@ -225,16 +249,26 @@ class Scheduler:
             self.transfers.pop(key, None)
             self.parked = [p for p in self.parked if p.key != key]
             return []
+        if request.op == wire.OP_HAVE:
+            return [self._have(peer, request, address, now)]
         if key in self.transfers:
             return [Refuse(peer, request.xfer, wire.ERR_BUSY, "this transfer id is already running")]
+        withdrawn = self.withdrawals.find(request.stage)
         if request.digests_only:  # computed by serve.digests.DigestWork
-            started = digest_transfer(peer, request, address, now, self.staged, self.transfers, self.limits)
+            # A relay-fed receive running at a disallow still asks the source for its digests.
+            source = self.staged if withdrawn is None else self.withdrawals.digests_of(withdrawn, now)
+            started = digest_transfer(peer, request, address, now, source, self.transfers, self.limits)
             if isinstance(started, Refuse):
                 return [started]
             self.transfers[key] = started
             return []
         if request.token is not None:
             return self._start_relayed(peer, request, address, now)
+        if withdrawn is not None:  # a span fetch of a receive that was running at the disallow
+            refusal = self.withdrawals.refusal(withdrawn, request, now, busy=self._busy(peer))
+            if refusal is not None:
+                return [Refuse(peer, request.xfer, *refusal)]
+            return self._start_span(peer, request, address, now, withdrawn.source)
         if self.staged is None and request.span is not None:
             # A span fetch names a staging whose header its receiver has seen:
             # with nothing staged now, that staging was disallowed. Say so at once.
@@ -260,10 +294,12 @@ class Scheduler:
 
     def progress(self, keys: set[Key], now: float) -> None:
         """The receivers of these transfers took data (libzmq released frames queued for them)."""
-        for key in keys:
-            transfer = self.transfers.get(key)
-            if transfer is not None:
+        peers = {peer for peer, _ in keys}
+        for transfer in self.transfers.values():
+            if transfer.key in keys:
                 transfer.last_progress = now
+            if transfer.peer in peers:
+                transfer.paused = False  # its connection drains
 
     def disconnected(self, peer: bytes) -> list[Transfer]:
         """The connection of ``peer`` closed: its transfers cannot complete. Returns them, forgotten.
@@ -273,7 +309,8 @@ class Scheduler:
         gone = [t for t in self.transfers.values() if t.peer == peer]
         for transfer in gone:
             del self.transfers[transfer.key]
-        self.chain.left(peer)
+        self.swarm.left(peer)
+        self.withdrawals.left(peer)
         self.relaying.left(peer)
         return gone
 
@@ -334,13 +371,16 @@ class Scheduler:
                 message = f"no checkpoint was staged for step {parked.request.step} in time"
                 actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_NOT_STAGED, message))
         for transfer in list(self.transfers.values()):
-            # A digest request waits only for device memory, hashed as the pump sends it.
-            waiting = transfer.credit == 0 or transfer.digests_only
+            # A digest request waits only for device memory, hashed as the pump sends it; a paused
+            # transfer, for its connection to drain (serve/frames.py).
+            waiting = transfer.credit == 0 or transfer.digests_only or transfer.paused
             if waiting and now - transfer.last_progress > self.stall:
                 message = f"receiver granted no credit and took no data for {self.stall:.1f} s"
                 if transfer.digests_only:
                     message = f"no digest of message {transfer.next_seq} came within {self.stall:.1f} s"
                 actions.append(self._abort(transfer, wire.ERR_STALLED, message))
+        overdue = self.withdrawals.expire(self.transfers.values(), now)
+        actions += [self._abort(t, wire.ERR_DISALLOWED, "disallowed a transport timeout ago") for t in overdue]
         return actions
 
     def shutdown(self) -> list[Action]:
@@ -352,6 +392,7 @@ class Scheduler:
             actions.append(Refuse(parked.peer, parked.request.xfer, wire.ERR_SHUTDOWN, "shutting down"))
         self.parked = []
         self.staged = None
+        self.withdrawals.clear()
         return actions
 
     def wakeup_in(self, now: float) -> float:
@@ -362,6 +403,7 @@ class Scheduler:
             return REPARKED_RETRY
         deadlines = [p.deadline for p in (*self.parked, *self.relaying.waiting)]
         deadlines += [t.last_progress + self.stall for t in self.transfers.values()]
+        deadlines += self.withdrawals.deadlines(self.transfers.values())
         if not deadlines:
             return IDLE_WAKEUP
         return max(0.0, min(IDLE_WAKEUP, min(deadlines) - now))
@@ -387,14 +429,17 @@ class Scheduler:
             return self._start_span(peer, request, address, now, staged)
         algorithm = digests.choose(request.verify)
         order = None
-        if request.relay is not None and (self.relay_loopback or not is_loopback(address)):
-            # Only a receiver that verifies (offered an algorithm this side has) may be sent to a relay.
-            order = self.chain.offer(peer, request.relay, address, self.make_token(), follows=algorithm is not None)
+        if request.relay is not None and (self.relay_loopback or not self.is_local(address)):
+            # Only a receiver that verifies (offered an algorithm this side has) is sent to other members.
+            order = self.swarm.offer(peer, request.relay, address, self.make_token(), follows=algorithm is not None)
+            if order is not None and algorithm is not None:
+                self.swarm.algorithm = algorithm
         # A receiver sent to a relay gets the header alone: it asks the relay for the data.
         header_only = request.header_only or (order is not None and order.upstream is not None)
         digest = algorithm.name if algorithm is not None else None
         header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest)
         if header_only:
+            self.withdrawals.reader(peer)  # it fetches spans as it goes
             return [header]
         hashing = transfer_hashing(request, staged, relays=order is not None)
         transfer = Transfer(
@@ -405,6 +450,25 @@ class Scheduler:
             del self.transfers[transfer.key]
             return [header, Finish(transfer, 0.0)]
         return [header]
+
+    def _have(self, peer: bytes, request: wire.Request, address: str, now: float) -> Have | Refuse:
+        """What this side holds of ``request.stage``: as a swarm peer, what has landed; as the source,
+        everything, and the swarm's other members (``request.token`` is the asker's own: asked from
+        ``address``, that member's paths there are believed too)."""
+        token = request.token
+        relayed = self.relaying.steps.get(token) if token is not None else None
+        if relayed is not None and relayed.stage_id == request.stage:
+            return Have(peer, request.xfer, relayed.have, relayed.messages, coming=relayed.coming)
+        staged = self.staged
+        if staged is not None and staged.stage_id == request.stage:
+            if token is not None:
+                self.swarm.seen(token, address)
+            peers = self.swarm.peers_for(token) if token is not None else None
+            return Have(peer, request.xfer, None, staged.messages, peers or ())
+        withdrawn = self.withdrawals.find(request.stage)
+        if withdrawn is not None:  # a member whose receive ran at a disallow: what it may still ask for is kept
+            return Have(peer, request.xfer, self.withdrawals.held(withdrawn, now), withdrawn.staged.messages)
+        return Refuse(peer, request.xfer, wire.ERR_NOT_RELAYING, "this side serves nothing of that staging")
 
     def _start_relayed(self, peer: bytes, request: wire.Request, address: str, now: float) -> list[Action]:
         """A span fetch to this side as a relay: served from the step it is receiving, as it lands."""
@@ -420,10 +484,9 @@ class Scheduler:
             return [Refuse(peer, request.xfer, wire.ERR_WRONG_STEP, f"this receiver relays step {relayed.step}")]
         if request.span[1] > relayed.messages:
             return [Refuse(peer, request.xfer, wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the plan")]
-        if self._data_transfers(peer) >= self.limits.transfers_per_peer:
-            return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many transfers from this peer")]
-        if self._data_transfers() >= self.limits.transfers:
-            return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many concurrent transfers")]
+        busy = self._busy(peer)
+        if busy is not None:
+            return [Refuse(peer, request.xfer, wire.ERR_BUSY, busy)]
         relayed.served = True
         relayed.peers.add(peer)
         return self._start_span(peer, request, address, now, relayed)
@@ -437,6 +500,11 @@ class Scheduler:
         transfer = Transfer(peer, request.xfer, staged, request.credit, address, now, now, first, stop, span=True)
         if isinstance(staged, Staged):
             transfer.hashing = transfer_hashing(request, staged, relays=False)
+            swarm = self.swarm.algorithm
+            if transfer.hashing is None and swarm is not None and staged.device_plan is not None:
+                # Device memory: digest requests cannot read it, so what goes out to a swarm
+                # (whose members ask for digests of what they fetch from each other) is hashed here.
+                transfer.hashing = Hashing(swarm, inline=False)
         self.transfers[transfer.key] = transfer
         return []
 
@@ -457,28 +525,23 @@ class Scheduler:
             return wire.ERR_PICKLE, message
         # Checked here, not when a request is parked: requests parked while
         # nothing was staged all start at once when a step is staged.
+        busy = self._busy(peer)
+        return (None, "") if busy is None else (wire.ERR_BUSY, busy)
+
+    def _busy(self, peer: bytes) -> str | None:
+        """Why one more data transfer from ``peer`` would exceed the limits (None: it would not)."""
         if self._data_transfers(peer) >= self.limits.transfers_per_peer:
-            return wire.ERR_BUSY, "too many transfers from this peer"
+            return "too many transfers from this peer"
         if self._data_transfers() >= self.limits.transfers:
-            return wire.ERR_BUSY, "too many concurrent transfers"
-        return None, ""
+            return "too many concurrent transfers"
+        return None
 
     def _abort(self, transfer: Transfer, code: str, message: str) -> Abort:
         self.transfers.pop(transfer.key, None)
         return Abort(transfer, code, message)
 
 
-def is_loopback(address: str) -> bool:
-    """Whether a peer address (as the ROUTER reports it; IPv4-mapped IPv6 too) is a loopback address."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return bool((mapped or ip).is_loopback)
-
-
-def span_refusal(request: wire.Request, staged: Staged) -> tuple[str | None, str]:
+def span_refusal(request: wire.Request, staged: Staged | Snapshot) -> tuple[str | None, str]:
     """Why a fetch of ``staged`` (a span fetch: its staging and its span too) is refused, if it is."""
     if request.step != staged.step:
         return wire.ERR_WRONG_STEP, f"requested step {request.step} but this peer serves step {staged.step}"
@@ -512,7 +575,7 @@ def digest_transfer(
     request: wire.Request,
     address: str,
     now: float,
-    staged: Staged | None,
+    staged: Staged | Snapshot | None,
     transfers: dict[Key, Transfer],
     limits: Limits,
 ) -> Transfer | Refuse:
@@ -528,13 +591,19 @@ def digest_transfer(
 
 
 def _digest_refusal(
-    peer: bytes, request: wire.Request, staged: Staged | None, transfers: dict[Key, Transfer], limits: Limits
+    peer: bytes,
+    request: wire.Request,
+    staged: Staged | Snapshot | None,
+    transfers: dict[Key, Transfer],
+    limits: Limits,
 ) -> tuple[str | None, str]:
     if staged is None:
         return wire.ERR_DISALLOWED, f"step {request.step} is no longer served"
     code, message = span_refusal(request, staged)
     if code is not None:
         return code, message
+    if request.span is not None and not all(staged.available(seq) for seq in range(*request.span)):
+        return wire.ERR_DISALLOWED, f"step {request.step} is no longer served"  # a copy without those messages
     if digests.choose(request.verify) is None:
         return wire.ERR_BAD_REQUEST, f"no digest algorithm in common (this side has {digests.offered()})"
     running = [t for t in transfers.values() if t.digests_only]

@@ -10,13 +10,17 @@ What to send and when to give up is decided by the pure
 feeds them to it with the time, and carries out the actions it returns.
 
 Zero copy: data frames that cover a single storage reference the tensor memory
-(``copy=False``); every data frame is tracked (:mod:`.frames`), and
-:meth:`disallow` returns only once libzmq has released every frame that
-references staged memory. A receiver that stops reading cannot hold that up
-past the stall bound (or, if it keeps taking data, the timeout): the socket is
-then closed with ``linger=0`` (which frees every queued frame) and bound again
-on the same port. A receiver whose connection closes is dropped as soon as the
-socket monitor reports it (:meth:`.router.Router.disconnected`).
+(``copy=False``) while their receiver's queue drains fast (:mod:`.frames`); every
+data frame is tracked. :meth:`disallow` keeps the contract without holding the
+caller for the network: receives running at the call finish from a snapshot of
+what they may still ask for (:mod:`.withdrawn`, :mod:`.snapshot`), taken in the
+serving thread, and it returns once no transfer reads the caller's tensors and
+libzmq has released every frame that references them. Beyond the snapshot cap
+it waits for the running receives instead. A receiver that stops reading cannot
+hold that up past the stall bound (or, if it keeps taking data, the timeout):
+the socket is then closed with ``linger=0`` (which frees every queued frame) and
+bound again on the same port. A receiver whose connection closes is dropped as
+soon as the socket monitor reports it (:meth:`.router.Router.disconnected`).
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from .. import wire
 from ..device import DeviceStaging, SendStager
 from ..errors import ProtocolError
 from ..relayed import Relayed
-from ..stats import TransferStats
+from ..stats import DisallowStats, TransferStats
 from .digests import DigestWork
+from .disallows import Disallows, SnapshotTaken
 from .frames import HeldFrames
 from .outbox import Outbox, SentLog
 from .pump import DataPump
@@ -71,6 +76,7 @@ class StageCommand:
 @dataclass(frozen=True)
 class DisallowCommand:
     done: threading.Event  # set once no staged memory is referenced any more
+    stats: DisallowStats  # filled by the serving thread before ``done`` is set
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class StopRelayCommand:
     done: threading.Event  # set once no transfer of it runs (nothing reads its memory any more)
 
 
-Command = StageCommand | DisallowCommand | StopCommand | RelayCommand | StopRelayCommand
+Command = StageCommand | DisallowCommand | StopCommand | RelayCommand | StopRelayCommand | SnapshotTaken
 
 
 class WakePipe:
@@ -135,6 +141,7 @@ class Server:
         *,
         staging: DeviceStaging | None = None,
         stall: float | None = None,
+        snapshot_bytes: int | None = None,
     ) -> None:
         self._timeout = timeout
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -146,7 +153,7 @@ class Server:
             self._wake.close()
             raise
         try:
-            self._start(timeout, stall, staging)
+            self._start(timeout, stall, staging, snapshot_bytes)
         except BaseException:
             # Nothing half-built may outlive a failed construction: an open
             # socket would make the owner's Context.term() wait forever.
@@ -154,14 +161,16 @@ class Server:
             self._wake.close()
             raise
 
-    def _start(self, timeout: float, stall: float | None, staging: DeviceStaging | None) -> None:
+    def _start(self, timeout: float, stall: float | None, staging: DeviceStaging | None, cap: int | None) -> None:
         self.port = self._router.port
         self.bound = self._router.bound  # (bind host, port) of every address listened on
         self._scheduler = Scheduler(timeout, stall)
         self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall)
         # Device memory goes out through the stager's pinned ring; the serving
         # thread alone uses it, its side streams included (device/).
-        self._stager = SendStager(staging if staging is not None else DeviceStaging())
+        staging = staging if staging is not None else DeviceStaging()
+        self._stager = SendStager(staging)
+        self._disallows = Disallows(self._scheduler, self._stager, staging, self._held, timeout, cap, self._command)
         self._pump = DataPump(self._scheduler, self._router, self._stager, self._held)
         self._digests = DigestWork(self._scheduler, self._router)
         self._hashing_due = False  # digest requests have bytes left to hash now
@@ -176,17 +185,23 @@ class Server:
     def stage(self, staged: Staged) -> None:
         self._command(StageCommand(staged))
 
-    def disallow(self) -> None:
-        """Block until nothing staged is referenced by libzmq (at most ~timeout + a grace)."""
-        done = threading.Event()
-        self._command(DisallowCommand(done))
+    def disallow(self) -> DisallowStats:
+        """Block until no transfer reads the staged tensors and libzmq references none (at most ~timeout + a grace).
+
+        Receives running now go on from a snapshot; see the module docstring.
+        """
+        command = DisallowCommand(threading.Event(), DisallowStats())
+        started = time.monotonic()
+        self._command(command)
         # The thread forces the release at the timeout; the grace covers the rebind.
-        deadline = time.monotonic() + self._timeout + DISALLOW_GRACE
-        while not done.wait(0.1):
+        deadline = started + self._timeout + DISALLOW_GRACE
+        while not command.done.wait(0.1):
             if not self._thread.is_alive():
-                return  # it closed the socket and waited for its frames on the way out
+                break  # it closed the socket and waited for its frames on the way out
             if time.monotonic() > deadline:
                 raise TimeoutError("disallow_checkpoint timed out waiting for the serving thread")
+        command.stats.seconds = time.monotonic() - started
+        return command.stats
 
     def relay(self, relayed: Relayed) -> None:
         """Serve ``relayed`` (a step being received) to the downstream the source sends here."""
@@ -291,8 +306,8 @@ class Server:
             match command:
                 case StageCommand(staged):
                     self._outbox.execute(self._scheduler.stage(staged, time.monotonic()))
-                case DisallowCommand(done):
-                    self._on_disallow(done)
+                case DisallowCommand(done, stats):
+                    self._disallows.begin(done, stats)
                 case StopCommand():
                     self._stopping = True
                 case RelayCommand(relayed):
@@ -302,14 +317,8 @@ class Server:
                     # ended here, nothing reads the relayed memory any more.
                     self._outbox.execute(self._scheduler.stop_relay(token))
                     done.set()
-
-    def _on_disallow(self, done: threading.Event) -> None:
-        self._outbox.execute(self._scheduler.disallow())
-        # Device tensors must not be read once disallow returns: drop every lane
-        # and wait for the copies already issued (a few chunks at most).
-        self._stager.retain(())
-        self._stager.synchronize()
-        self._held.wait(done, time.monotonic() + self._timeout)
+                case SnapshotTaken():
+                    self._disallows.taken(command)
 
     def _read_requests(self) -> None:
         self._drop_disconnected()  # first: see Router.disconnected
@@ -336,13 +345,15 @@ class Server:
         now = time.monotonic()
         self._scheduler.progress(self._held.poll(now), now)
         self._outbox.execute(self._scheduler.expire(now))
-        self._stager.retain(self._scheduler.transfers)
+        self._disallows.settle()
+        self._stager.retain(self._disallows.device_transfers())
+        self._held.retain({peer for peer, _ in self._scheduler.transfers})
         if not self._held.must_close(now, transfers_running=bool(self._scheduler.transfers)):
             return False
         # Requests already read by libzmq but not yet by us would die with the
         # socket: take them first (fetches with nothing staged are parked).
         self._read_requests()
-        if self._scheduler.transfers:
+        if self._scheduler.transfers and not self._held.waiting:
             return False  # one just started on this socket: close it once nothing runs
         logger.warning(
             "receivers that take no data hold %d zero-copy frames; closing the socket to release them",
@@ -365,5 +376,6 @@ class Server:
             self._stager.close()  # no device copy may outlive the thread
         except Exception:
             logger.exception("zmqtransport: synchronising device copies at shutdown failed")
+        self._disallows.close(SHUTDOWN_FRAME_WAIT)
         self._held.release_waiters()
         self._wake.close()

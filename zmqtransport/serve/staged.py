@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 
 
 class Served(Protocol):
-    """What a transfer sends from: a staged step (:class:`Staged`) or a step this side relays.
+    """What a transfer sends from: a staged step (:class:`Staged`), a withdrawn one's copy, or a step this side relays.
 
     The scheduler and the data pump read only this, so a relayed step
-    (:class:`zmqtransport.relayed.Relayed`) is served by the same machinery.
+    (:class:`zmqtransport.relayed.Relayed`) and the copy a disallow leaves
+    running receives (:class:`zmqtransport.serve.snapshot.Snapshot`) are served
+    by the same machinery.
     """
 
     @property
@@ -151,9 +153,14 @@ class Staged:
         return buffer, False
 
     def crc(self, seq: int, payload: Any) -> int | None:
-        if self.checksum is None:
-            return None
-        cached = self.crcs[seq]
-        if cached is None:
-            cached = self.crcs[seq] = zlib.crc32(payload)
-        return cached
+        return cached_crc(self.checksum, self.crcs, seq, payload)
+
+
+def cached_crc(checksum: str | None, crcs: list[int | None], seq: int, payload: Any) -> int | None:
+    """Data message ``seq``'s CRC32 (None without checksums), computed once into ``crcs``."""
+    if checksum is None:
+        return None
+    cached = crcs[seq]
+    if cached is None:
+        cached = crcs[seq] = zlib.crc32(payload)
+    return cached

@@ -1,0 +1,71 @@
+"""A receive's view of the swarm (zmqtransport/fetch/peers.py), driven directly: explicit time, no sockets."""
+
+from __future__ import annotations
+
+from zmqtransport.fetch.peers import HAVE_EVERY, MEMBERS_EVERY, Peers, start_offset
+from zmqtransport.fetch.spans import SOURCE
+
+A, B, C, OWN = (bytes([n]) * 16 for n in (1, 2, 3, 9))
+
+
+def test_members_are_learned_once_and_never_oneself() -> None:
+    peers = Peers(OWN, [("tcp://a:1", A)])
+    first = peers.learn()
+    assert [(p.peer, p.at, p.token) for p in first] == [(1, "tcp://a:1", A)]
+    again = peers.learn([("tcp://a:1", A), ("tcp://me:1", OWN), ("tcp://b:1", B)])
+    assert [(p.peer, p.token) for p in again] == [(2, B)]
+    assert peers.token_of(1) == A and peers.token_of(2) == B and peers.token_of(SOURCE) == OWN
+
+
+def test_each_peer_is_asked_every_so_often_with_one_question_outstanding() -> None:
+    peers = Peers(OWN, [("tcp://a:1", A), ("tcp://b:1", B)])
+    peers.learn()
+    assert peers.due(0.0, {SOURCE, 1, 2}) == [1, 2, SOURCE]
+    peers.asking(1, 100, 0.0)
+    peers.asking(SOURCE, 101, 0.0)
+    assert peers.due(0.0, {SOURCE, 1, 2}) == [2]  # 1 and the source have a question outstanding
+    assert peers.answered(100) == 1 and peers.answered(100) is None and peers.answered(None) is None
+    assert peers.due(HAVE_EVERY / 2, {SOURCE, 1}) == []  # not its turn yet; 2 is unreachable
+    assert peers.due(HAVE_EVERY, {SOURCE, 1}) == [1]
+    assert peers.answered(101) == SOURCE
+    assert SOURCE in peers.due(MEMBERS_EVERY, {SOURCE})
+    peers.drop(1)
+    assert peers.dropped(1) and 1 not in peers.due(10.0, {SOURCE, 1, 2})
+
+
+def test_a_receive_without_a_token_never_asks_the_source_for_members() -> None:
+    peers = Peers(None, [("tcp://c:1", C)])
+    peers.learn()
+    assert peers.due(0.0, {SOURCE, 1}) == [1]
+
+
+def test_members_start_their_walks_far_apart() -> None:
+    starts = [start_offset(members, 100) for members in range(4)]
+    assert starts[0] == 0 and len(set(starts)) == 4
+    gaps = sorted((b - a) % 100 for a in starts for b in starts if a != b)
+    assert gaps[0] >= 14  # no two of the first four start within a seventh of the plan of each other
+    assert start_offset(3, 0) == 0
+
+
+def test_a_peer_with_work_left_is_asked_less_often() -> None:
+    from zmqtransport.fetch.peers import HAVE_REFRESH
+
+    peers = Peers(None, [("tcp://a:1", A), ("tcp://b:1", B)])
+    peers.learn()
+    for peer, xfer in ((1, 10), (2, 11)):
+        peers.asking(peer, xfer, 0.0)
+        peers.answered(xfer)
+    assert peers.due(HAVE_EVERY, {1, 2}, busy={1}) == [2]
+    assert peers.next_due(busy={1, 2}) == HAVE_REFRESH
+    assert peers.due(HAVE_REFRESH, {1, 2}, busy={1}) == [1, 2]
+
+
+def test_a_member_named_under_more_paths_is_learned_again_with_them() -> None:
+    peers = Peers(OWN, [("tcp://10.0.0.2:5", A)])
+    (first,) = peers.learn()
+    assert (first.peer, first.at) == (1, "tcp://10.0.0.2:5")
+    assert peers.learn([("tcp://10.0.0.2:5", A)]) == []
+    (again,) = peers.learn([("tcp://10.0.0.2:5?paths=10.0.1.2:5", A)])
+    assert (again.peer, again.at) == (1, "tcp://10.0.0.2:5?paths=10.0.1.2:5")
+    peers.drop(1)
+    assert peers.learn([("tcp://10.0.0.2:5?paths=10.0.1.2:5,10.0.2.2:5", A)]) == []

@@ -1,0 +1,156 @@
+"""What a striped receive sends: span fetches as its book hands them out, questions to the swarm, cancels.
+
+The outbound half of :mod:`.striped`, on the receiving thread's sockets: it
+asks every connected stream for the spans :class:`~.spans.SpanBook` assigns
+it, asks the peers whose turn it is what they hold and the source who the
+peers are (:class:`~.peers.Peers`), asks the source for the digests of what
+peers are asked for (:class:`~.checking.RelayCheck`), and tells senders to
+forget spans no longer needed. Every send is non-blocking: a connection that
+takes no more requests is reported to the caller, which drops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from .. import wire
+from ..digests import Algorithm
+from .checking import RelayCheck
+from .connection import Connection
+from .peers import Peers
+from .relaying import RelayDuty
+from .spans import SOURCE, Span, SpanBook
+
+logger = logging.getLogger("zmqtransport.fetch")
+
+
+@dataclass(frozen=True)
+class SpanTerms:
+    """What every span fetch of one receive shares."""
+
+    step: int
+    stage: int
+    accept_pickle: bool
+    deadline: float
+    stall_timeout: float | None
+    algorithm: Algorithm | None = None  # the source's digest algorithm (None: it publishes none)
+    inline: bool = False  # verify="all": the source's spans carry a digest per message
+
+
+def span_request(span: Span, terms: SpanTerms, token: bytes | None, now: float) -> bytes:
+    """The span fetch for ``span``: to a peer with its ``token``; to the source, with digests if verify="all"."""
+    inline = terms.inline and token is None and terms.algorithm is not None
+    verify = [terms.algorithm.name] if inline and terms.algorithm is not None else []
+    wait_ms = max(0, int((terms.deadline - now) * 1000))
+    return wire.fetch_request(
+        span.xfer,
+        terms.step,
+        wait_ms,
+        span.stop - span.first,
+        terms.accept_pickle,
+        span=(span.first, span.stop),
+        stage=terms.stage,
+        token=token,
+        verify=verify,
+        inline=inline,
+    )
+
+
+class Asking:
+    """The requests of one striped receive over ``streams`` (shared with its caller, which adds to it)."""
+
+    def __init__(
+        self,
+        streams: Sequence[Connection],
+        book: SpanBook,
+        terms: SpanTerms,
+        peers: Peers | None,
+        check: RelayCheck | None,
+        duty: RelayDuty | None,
+    ) -> None:
+        self.streams = streams
+        self.book = book
+        self.terms = terms
+        self.peers = peers
+        self.check = check
+        self.duty = duty
+        self.cancelled: set[int] = set()  # span fetches told to stop: what still arrives for them is dropped
+        self._questions = 0  # questions asked so far (which connection to the source asks next)
+
+    def send(self, now: float) -> list[int]:
+        """Everything due now; returns the streams whose connection took no more requests."""
+        full = self._questions_due(now) + self._spans(now)
+        if self.check is not None:
+            self.check.ask(self._relayed_spans(), now)
+        return full
+
+    def _spans(self, now: float) -> list[int]:
+        full: list[int] = []
+        for index, stream in enumerate(self.streams):
+            if stream.gone:
+                continue
+            while (span := self.book.assign(index, random.getrandbits(63), now)) is not None:
+                logger.debug("asking %s for messages %d..%d", stream.endpoint, span.first, span.stop)
+                if not _send(stream, span_request(span, self.terms, stream.token, now)):
+                    full.append(index)
+                    break
+        if self.duty is not None:
+            self.duty.fetching(self.book.asked())  # the others ask the source for something else
+        return full
+
+    def _questions_due(self, now: float) -> list[int]:
+        """Ask the peers whose turn it is what they hold, and the source who the peers are."""
+        peers = self.peers
+        if peers is None:
+            return []
+        full: list[int] = []
+        reachable = {stream.peer for stream in self.streams if not stream.gone and not stream.interrupted}
+        for peer in peers.due(now, reachable, self.busy()):
+            live = [(i, s) for i, s in enumerate(self.streams) if s.peer == peer and not s.gone]
+            # The source is asked over each of its connections in turn: each comes from one of this
+            # receiver's addresses, and the source believes this receiver's paths on those it sees.
+            index, stream = live[self._questions % len(live)] if peer == SOURCE else live[0]
+            self._questions += 1
+            xfer = random.getrandbits(63)
+            if _send(stream, wire.have_request(xfer, self.terms.stage, peers.token_of(peer))):
+                peers.asking(peer, xfer, now)
+            else:
+                full.append(index)
+        return full
+
+    def busy(self) -> set[int]:
+        """The peers this receive still has work for (asked about less often)."""
+        assert self.peers is not None
+        return {peer for peer in self.peers.tokens if self.book.has_work_for(peer)}
+
+    def _relayed_spans(self) -> list[Span]:
+        return [span for span in self.book.spans.values() if self.streams[span.stream].token is not None]
+
+    def cancel(self, spans: list[Span]) -> None:
+        """Tell the senders to stop sending spans this receive no longer needs (best effort)."""
+        for span in spans:
+            self.cancelled.add(span.xfer)
+            stream = self.streams[span.stream]
+            if not stream.gone:
+                with contextlib.suppress(zmq.ZMQError):
+                    stream.socket.send(wire.cancel_request(span.xfer), zmq.NOBLOCK)
+
+    def cancel_all(self) -> None:
+        """The receive is over: every span and digest request still out."""
+        self.cancel(list(self.book.spans.values()))
+        if self.check is not None:
+            self.check.cancel_all()
+
+
+def _send(stream: Connection, request: bytes) -> bool:
+    try:
+        stream.socket.send(request, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True

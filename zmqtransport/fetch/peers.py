@@ -1,0 +1,141 @@
+"""The swarm as one receive sees it: its peers, and when to ask each what it holds (docs/protocol.md, "Swarm").
+
+A receive that the source made a swarm member (its relay order) knows the
+members that joined before it; it learns of later ones by asking the source
+(a ``have`` request showing its own token), and learns what each peer holds
+by asking that peer (a ``have`` request showing the peer's token), each every
+so often, one question outstanding per peer. What the answers say goes into
+the span book (:class:`.spans.SpanBook`); new peers get connections.
+
+:class:`Peers` is pure (explicit ``now``, no sockets); :mod:`.striped` sends
+the questions and feeds it the answers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+from .. import wire
+from .spans import SOURCE
+
+# Seconds between two questions to one peer about what it holds, while this
+# receive has nothing left to ask it for (a peer lands a 1 MiB message every
+# few milliseconds on a fast link) ...
+HAVE_EVERY = 0.01
+# ... and while it has: only to keep what it is fetching known. Each question
+# costs both serving threads some CPU: with six peers, asking each every
+# 10 ms is 600 questions a second per receiver.
+HAVE_REFRESH = 0.1
+# Seconds between two questions to the source about the swarm's members.
+MEMBERS_EVERY = 0.05
+# Where a member starts its walk through the plan, as a fraction of the plan
+# per member that joined before it (the golden ratio's: successive members
+# start far apart, whatever their number).
+SPREAD = 0.381966
+
+
+@dataclass(frozen=True)
+class NewPeer:
+    """A member to connect to: its id in the span book, where it serves, its token."""
+
+    peer: int
+    at: str
+    token: bytes
+
+
+def start_offset(members_before: int, messages: int) -> int:
+    """Where a member that joined after ``members_before`` others starts its walk through ``messages``."""
+    if messages == 0:
+        return 0
+    return math.floor(members_before * SPREAD * messages) % messages
+
+
+class Peers:
+    """One receive's peers: their ids, tokens, and questions outstanding.
+
+    ``own_token``: this receive's own token (it asks the source for members
+    with it; None: it does not ask). ``known``: the members its relay order
+    named.
+    """
+
+    def __init__(self, own_token: bytes | None, known: Sequence[wire.Peer] = ()) -> None:
+        self.own_token = own_token
+        self.tokens: dict[int, bytes] = {}  # peer id -> its token
+        self.at: dict[int, str] = {}  # peer id -> where it serves (its paths the source believes)
+        self._ids: dict[bytes, int] = {}
+        self._asked: dict[int, int] = {}  # question (transfer id) -> peer id (SOURCE: the members)
+        self._next_ask: dict[int, float] = {}
+        self._dropped: set[int] = set()
+        self._known = list(known)
+
+    def learn(self, members: Sequence[wire.Peer] = ()) -> list[NewPeer]:
+        """Members the source named (and those of the relay order, the first time): the ones that are new,
+        and known ones the source now names under more paths (their ``at`` has changed)."""
+        fresh = []
+        for at, token in [*self._known, *members]:
+            if token == self.own_token:
+                continue
+            peer = self._ids.get(token)
+            if peer is None:
+                peer = len(self._ids) + 1  # SOURCE is 0
+                self._ids[token] = peer
+                self.tokens[peer] = token
+                self._next_ask[peer] = -math.inf
+            elif self.at[peer] == at or peer in self._dropped:
+                continue
+            self.at[peer] = at
+            fresh.append(NewPeer(peer, at, token))
+        self._known = []
+        return fresh
+
+    def due(self, now: float, reachable: AbstractSet[int], busy: AbstractSet[int] = frozenset()) -> list[int]:
+        """Who to ask now: peers (among ``reachable``) without a question outstanding whose turn it is,
+        and the source (for members) when this receive has a token to show. A ``busy`` peer (this
+        receive still has work for it) is asked only every :data:`HAVE_REFRESH`."""
+        waiting = set(self._asked.values())
+        due = [
+            peer
+            for peer in sorted(reachable)
+            if peer != SOURCE and peer not in self._dropped and peer not in waiting
+            and now >= self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
+        ]
+        asks_source = self.own_token is not None and SOURCE in reachable and SOURCE not in waiting
+        if asks_source and now >= self._next_ask.get(SOURCE, -math.inf):
+            due.append(SOURCE)
+        return due
+
+    def asking(self, peer: int, xfer: int, now: float) -> None:
+        self._asked[xfer] = peer
+        self._next_ask[peer] = now + (MEMBERS_EVERY if peer == SOURCE else HAVE_EVERY)
+
+    def answered(self, xfer: int | None) -> int | None:
+        """The peer a reply to question ``xfer`` comes from (None: not a question of ours)."""
+        if xfer is None:
+            return None
+        return self._asked.pop(xfer, None)
+
+    def token_of(self, peer: int) -> bytes | None:
+        """What a question to ``peer`` shows: the peer's token, or this receive's own to the source."""
+        return self.own_token if peer == SOURCE else self.tokens.get(peer)
+
+    def drop(self, peer: int) -> None:
+        """Nothing more is asked of ``peer`` for this receive."""
+        self._dropped.add(peer)
+        for xfer in [x for x, p in self._asked.items() if p == peer]:
+            del self._asked[xfer]
+
+    def dropped(self, peer: int) -> bool:
+        return peer in self._dropped
+
+    def next_due(self, busy: AbstractSet[int] = frozenset()) -> float:
+        """When the next question falls due (inf: none can); ``busy`` as for :meth:`due`."""
+        waiting = set(self._asked.values())
+        times = [
+            t + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
+            for peer, t in self._next_ask.items()
+            if peer not in waiting and peer not in self._dropped
+        ]
+        return min(times, default=math.inf)

@@ -1,0 +1,145 @@
+"""The source's swarm (docs/protocol.md, "Swarm"): which receivers of a staging serve each other.
+
+:class:`Swarm` holds the receivers of the staged step that offered to relay
+(from another host), in the order their header requests came. Each newcomer is
+told every member so far; members learn of later ones by asking the source
+(a ``have`` request showing their own token). Every member fetches from the
+source and from the members it knows, each peer as fast as it delivers, so a
+slow receiver holds nobody back. A member is named under the paths of its
+offer on the addresses its connections to the source come from: the one its
+header request came from, and every other one it asks the source from (a
+receiver with a NIC per network asks over each), so peers fetch from it over
+all of them. Pure: the serving thread owns it. What a member serves is
+:class:`zmqtransport.relayed.Relayed`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from .. import digests, wire
+from ..net import parse_metadata
+
+# Members one swarm remembers (the oldest go first); far above any realistic
+# number of replicas recovering at once from one source.
+MAX_MEMBERS = 1024
+
+
+@dataclass(frozen=True)
+class Member:
+    """A receiver that offered to relay: its header connection, where it serves, its token."""
+
+    peer: bytes
+    at: str
+    token: bytes
+
+
+class Swarm:
+    """The members of the staged step's swarm."""
+
+    def __init__(self) -> None:
+        self.members: list[Member] = []
+        # By token: what a member offered, and the addresses its connections came from.
+        self.offers: dict[bytes, tuple[str, frozenset[str]]] = {}
+        # The digest algorithm the verifying members chose: what they will ask the source
+        # for, of messages other members fetch (see Scheduler's span fetches of device memory).
+        self.algorithm: digests.Algorithm | None = None
+
+    def join(self, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
+        """A receiver offered to relay: its token, and the members it may fetch from (the newest last).
+
+        ``follows``: it may fetch from other members (it verifies what they
+        send); one that does not fetches from the source, and the others may
+        still fetch from it.
+        """
+        # A receiver asking again (a retry on the same connection) rejoins at the end, never beside itself.
+        self.left(peer)
+        known = self._peers(self.members) if follows else ()
+        self.members.append(Member(peer, at, token))
+        del self.members[:-MAX_MEMBERS]
+        if not known:
+            return wire.RelayOrder(token)
+        newest_at, newest_token = known[-1]
+        return wire.RelayOrder(token, newest_at, newest_token, known)
+
+    def offer(self, peer: bytes, offer: str, address: str, token: bytes, follows: bool) -> wire.RelayOrder | None:
+        """A receiver at ``address`` offered to relay at ``offer``: joined under the paths on its own host.
+
+        None: no path of the offer is on that host (:func:`believable_offer`); it is served directly.
+        """
+        at = believable_offer(offer, [address])
+        if at is None:
+            return None
+        order = self.join(peer, at, token, follows)
+        self.offers[token] = (offer, frozenset([address]))
+        return order
+
+    def seen(self, token: bytes, address: str) -> None:
+        """The member serving under ``token`` asked from ``address``: its offer's paths there are believed too."""
+        offer, addresses = self.offers.get(token, ("", frozenset()))
+        if not offer or address in addresses:
+            return
+        addresses |= {address}
+        self.offers[token] = (offer, addresses)
+        at = believable_offer(offer, addresses)
+        if at is not None:
+            self.members = [replace(m, at=at) if m.token == token else m for m in self.members]
+
+    def peers_for(self, token: bytes) -> tuple[wire.Peer, ...] | None:
+        """The members other than the one serving under ``token`` (None: no member has it)."""
+        if not any(member.token == token for member in self.members):
+            return None
+        return self._peers([member for member in self.members if member.token != token])
+
+    def left(self, peer: bytes) -> None:
+        """The header connection of ``peer`` closed: it no longer serves (its receive ended)."""
+        self.members = [member for member in self.members if member.peer != peer]
+        self.offers = {token: offer for token, offer in self.offers.items() if self._member(token)}
+
+    def clear(self) -> None:
+        self.members = []
+        self.offers = {}
+        self.algorithm = None
+
+    def _member(self, token: bytes) -> bool:
+        return any(member.token == token for member in self.members)
+
+    @staticmethod
+    def _peers(members: list[Member]) -> tuple[wire.Peer, ...]:
+        return tuple((member.at, member.token) for member in members[-wire.MAX_PEERS :])
+
+
+def believable_offer(offer: str, addresses: str | Iterable[str]) -> str | None:
+    """An offer to relay (a metadata string) kept to the paths on ``addresses``, those its connections come from.
+
+    Anyone who reaches the source may offer: believed as it stands, an offer
+    would send the next receivers wherever it names (another service, a host
+    that answers nothing). Kept to the connections' own addresses, it can only
+    send them back to the host that asked. Hosts are compared as IP addresses
+    (an IPv4 peer on a dual-stack socket reads ``::ffff:10.0.0.7``); a path
+    named by a hostname is not kept (the source resolves no names). None when
+    no path is left or the offer does not parse.
+    """
+    seen = {_ip(address) for address in ([addresses] if isinstance(addresses, str) else addresses)} - {None}
+    if not seen:
+        return None
+    try:
+        parsed = parse_metadata(offer)
+    except ValueError:
+        return None
+    kept = [path for path in parsed.paths if _ip(path.host) in seen]
+    if not kept:
+        return None
+    first, *more = kept
+    return replace(parsed, host=first.host, port=first.port, more_paths=tuple(more)).to_metadata()
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped or ip
