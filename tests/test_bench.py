@@ -57,6 +57,7 @@ def test_table_with_every_available_method() -> None:
         assert "\nhttp " in out and "\nhttp-4 " in out
 
 
+@pytest.mark.system
 def test_json_with_two_receivers() -> None:
     done = _run("--receivers", "2", "--methods", "tcp-reused,zmq-bare,zmq-fresh,zmq-inplace", "--warm", "--json")
     assert done.returncode == 0, done.stderr
@@ -102,6 +103,7 @@ def test_every_method_is_one_object_with_the_interface() -> None:
     assert anchors == {"tcp-reused", "tcp-fresh", "zmq-bare", "http", "http-4"}
 
 
+@pytest.mark.system
 @pytest.mark.skipif(lab.unavailable_reason() is not None, reason=lab.unavailable_reason() or "")
 def test_lab_scenario_reports_the_source_upload() -> None:
     done = _run("--scenario", "lab-1to1", "--total", "256K", "--tensor", "64K", "--methods", "zmq-fresh", "--json")
@@ -230,6 +232,7 @@ def test_a_cut_needs_a_lab_with_that_nic() -> None:
             _check_cuts(Scenario("one", 1 << 20, 1 << 20, methods=("zmq-inplace-cut",), lab=lab_spec))
 
 
+@pytest.mark.system
 @pytest.mark.skipif(lab.unavailable_reason() is not None, reason=lab.unavailable_reason() or "")
 def test_lab_paths_scenario_stripes_and_survives_the_cut() -> None:
     done = _run(
@@ -428,6 +431,7 @@ def test_issue22_targets_hold_each_receiver_to_its_own_link() -> None:
     assert rows[("lab-mixed", "zmq-fresh", "r1")] == ["100", "2.900", "2.684", "1.08", "1.50"]
 
 
+@pytest.mark.system
 @pytest.mark.skipif(lab.unavailable_reason() is not None, reason=lab.unavailable_reason() or "")
 def test_lab_kill_scenario_reports_the_survivors() -> None:
     done = _run("--scenario", "lab-kill", "--total", "8M", "--tensor", "1M", "--methods", "zmq-fresh", "--json")

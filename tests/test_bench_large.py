@@ -153,6 +153,7 @@ def _bench(*argv: str) -> Any:
     return json.loads(done.stdout)
 
 
+@pytest.mark.system
 def test_a_small_transformer_state_moves_fresh_and_in_place_checked_tensor_by_tensor() -> None:
     methods = "tcp-reused,tcp-fresh,zmq-fresh,zmq-inplace"
     report = _bench("--scenario", "transformer", "--total", "2M", "--methods", methods, "--json")

@@ -36,6 +36,7 @@ from .conftest import assert_same
 
 TIMEOUT_S = 120  # per subprocess: a hang fails the test instead of the suite
 LOOPBACK = "127.0.0.1"
+pytestmark = pytest.mark.system
 
 # Shared verbatim by this process and the peer processes, so both build the
 # same state from a seed: views sharing a storage, several dtypes, 0-dim and

@@ -564,6 +564,7 @@ def test_disallow_stops_staged_reads_before_mutation(make_transport: Any) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_device_check_script_cpu_mode() -> None:
     """scripts/device_check.sh --cpu runs the whole check on CPU with tiny sizes."""
     if os.environ.get("ZMQT_DEVICE_CHECK"):

@@ -21,7 +21,7 @@ from zmqtransport.lab import Lab, Shaping
 from .conftest import lab_python
 
 REASON = lab_module.unavailable_reason()
-pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.system, pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(180)]
 
 STATE = """
 import torch

@@ -48,14 +48,23 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert got[key] == value, key
 
 
-def _receive_then_freeze(metadata: str, step: int) -> None:
-    """Start receiving; SIGSTOP this whole process (its libzmq threads too) on the first data."""
+def _receive_then_freeze(endpoint: str, step: int) -> None:
+    """Ask for ``step`` with credit for all of it, read the header, then SIGSTOP this whole
+    process (its libzmq threads too).
 
-    def freeze(done: int, total: int) -> None:
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-    receiver: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=120), bind_host=LOOPBACK, progress=freeze)
-    receiver.recv_checkpoint(0, metadata, step, timedelta(seconds=120))
+    Its socket takes in at most a message or two ahead of its reader (RCVHWM 1, a 64 KiB
+    kernel buffer), so most of the state stays queued at the sender however late the
+    freeze comes. A ZMQTransport's libzmq thread took in the whole state before the
+    freeze on a loaded machine (the sender then held no frames, and the tests below
+    checked nothing)."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 64 << 10)
+    sock.connect(endpoint)
+    sock.send(wire.fetch_request(1, step, 10_000, 16, False))
+    sock.recv_multipart()
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _fetch_two_then_die(endpoint: str, step: int, stamp: str) -> None:

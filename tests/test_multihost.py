@@ -39,6 +39,7 @@ LINK_A, LINK_B = "10.211.0.1", "10.211.0.2"  # the shared link
 OTHER_A, OTHER_GW = "10.212.0.1", "10.212.0.2"  # A's other interface, unreachable from B
 PYTHON = sys.executable
 STEP = 3
+pytestmark = pytest.mark.system
 
 
 @dataclass

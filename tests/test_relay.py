@@ -140,8 +140,14 @@ def test_a_relay_that_fails_mid_transfer_hands_its_downstream_to_the_source(make
 def _relay_child(metadata: str, step: int, killed_at: int) -> None:
     def die(done: int, total: int) -> None:
         time.sleep(0.02)  # slow enough that the other receiver fetches from it before it dies
-        if done >= killed_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if done < killed_at:
+            return
+        # Die once this relay has forwarded a span to the downstream, which a
+        # loaded machine may start after the relay is a third through.
+        deadline = time.monotonic() + 10
+        while receiver.sent_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     relayed.RELAY_LOOPBACK = True  # a spawned process: the fixture's patch is not here
     receiver: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK, progress=die)
@@ -188,7 +194,9 @@ def test_relay_memory_is_the_callers_once_its_receive_returns(
     first = threading.Thread(target=relay_then_scribble)
     with caplog.at_level(logging.INFO, logger="zmqtransport.fetch"):
         first.start()
-        time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the relay has asked for the header (and joined the swarm)
         results[1] = downstream.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
         first.join(60)
     assert results[0]["w"] is mine["w"]

@@ -96,6 +96,7 @@ MODES = ["flip", "error", "silent", "shutdown"]
 
 
 @needs_lab
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_rogue_relay_changes_nothing(mode: str) -> None:
