@@ -137,9 +137,11 @@ def test_a_relay_that_fails_mid_transfer_hands_its_downstream_to_the_source(make
     assert relay.metadata() in paths and sender.metadata() in paths  # both served part of it
 
 
-def _relay_child(metadata: str, step: int, killed_at: int) -> None:
+def _relay_child(metadata: str, step: int, killed_at: int, holds: Any) -> None:
     def die(done: int, total: int) -> None:
         time.sleep(0.02)  # slow enough that the other receiver fetches from it before it dies
+        if done >= killed_at // 2:
+            holds.set()  # it holds spans the downstream will ask it for
         if done < killed_at:
             return
         # Die once this relay has forwarded a span to the downstream, which a
@@ -158,11 +160,13 @@ def test_a_relay_killed_mid_transfer_costs_its_downstream_nothing_but_time(make_
     sender = make_transport(checksum=True)
     want = state(32)
     sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
-    child = spawn.Process(target=_relay_child, args=(sender.metadata(), 1, nbytes(want) // 3))
+    holds = spawn.Event()
+    child = spawn.Process(target=_relay_child, args=(sender.metadata(), 1, nbytes(want) // 3, holds))
     child.start()
-    deadline = time.monotonic() + 30
-    while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
-        time.sleep(0.01)  # until the child has asked for the header (and joined the swarm)
+    # The downstream starts once the relay holds a sixth of the state: a swarm
+    # asks a peer only for what it holds, and one that started earlier could
+    # take everything from the source before the relay held anything.
+    assert holds.wait(30)
     downstream = make_transport(progress=slow(0.002))
     got = downstream.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
     child.join(30)
