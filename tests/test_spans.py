@@ -315,6 +315,15 @@ def test_the_source_is_not_asked_for_what_a_peer_as_fast_holds_or_is_fetching() 
     assert [(s.first, s.stop) for s in [b.assign(peer, 4, 0.0), b.assign(peer, 5, 0.0)] if s] == [(0, 2), (2, 4)]
 
 
+def test_a_peer_whose_connection_dropped_does_not_hold_the_source_off_what_it_holds() -> None:
+    b, source, peer = swarm(8, span=2, depth=4)
+    b.holds(7, bits(0, 1, 2, 3))
+    assert [(s.first, s.stop) for s in [b.assign(source, x, 0.0) for x in (1, 2, 3)] if s] == [(4, 6), (6, 8)]
+    b.interrupted(peer)  # killed: its connection is down, and may come back only after a grace
+    asked = [b.assign(source, xfer, 0.01) for xfer in (4, 5)]
+    assert [(s.first, s.stop) for s in asked if s] == [(0, 2), (2, 4)]
+
+
 def test_the_source_is_asked_for_what_only_a_much_slower_peer_holds() -> None:
     b, source, peer = swarm(12, span=1, depth=1)
     b.holds(7, bits(*range(6)))

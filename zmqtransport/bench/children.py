@@ -61,7 +61,10 @@ def _enter(place: Place) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = place.interface  # keep gloo on the benchmark's network
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    logging.disable(logging.WARNING)  # the transports log INFO lines per transfer
+    if os.environ.get("ZMQTRANSPORT_BENCH_LOG"):  # to see why a trial took the time it took
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(name)s: %(message)s")
+    else:
+        logging.disable(logging.WARNING)  # the transports log INFO lines per transfer
     # HTTPTransport's handler writes an access-log line per request to stderr.
     http.server.BaseHTTPRequestHandler.log_message = lambda *args: None  # type: ignore[method-assign]
 
@@ -160,6 +163,8 @@ def _die_past(fraction: float) -> Callable[[int, int], None]:
     """A progress callback that SIGKILLs this process once ``fraction`` of the bytes have landed."""
 
     def progress(done: int, total: int) -> None:
+        if os.environ.get("ZMQTRANSPORT_BENCH_LOG"):
+            logging.getLogger("bench").info("progress %d/%d", done, total)
         if done >= fraction * total:
             os.kill(os.getpid(), signal.SIGKILL)
 
