@@ -12,8 +12,12 @@
         landing.plan_landing  pure: where each storage lands, what to prefault
         landed.land / build   the plan carried out in memory; the object built at the end
         inbox.Inbox         each data message received into place, checked, then counted
-        striped.StripedReceive  spans over several connections (data phase)
-          spans.SpanBook    pure: which span each connection asks for, takeovers, re-queues
+        striped.StripedReceive  spans over several connections (data phase); striped.Lanes
+          │                 its streams and their fate (added, dropped, a peer dropped)
+          asking.Asking     what goes out: span fetches, swarm questions, cancels
+          peers.Peers       pure: the swarm's members, when to ask each what it holds
+          spans.SpanBook    pure: which span each connection asks for (rarest first, by
+                            pace), takeovers, re-queues, what peers hold
           checking.RelayCheck  what relays send, checked against the source's digests
             verify.DigestBook  pure: digests published, asked, and messages waiting for theirs
         relaying.RelayDuty  serving what has landed onward (through this transport's server)
