@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from zmqtransport import ZMQTransport, digests, relayed, wire
 from zmqtransport.bench.rogue import become_rogue
 from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.errors import IntegrityError, ProtocolError
+from zmqtransport.fetch.checking import AHEAD_PATIENCE, AHEAD_REQUESTS, AHEAD_RUN, DigestTerms, RelayCheck
 from zmqtransport.fetch.spans import DEPTH, HELD, LANDED, MISSING, SpanBook
 from zmqtransport.fetch.verify import DigestBook, Verdict
 from zmqtransport.serve import scheduler, swarm
@@ -88,6 +90,59 @@ def test_digest_book_asks_again_what_a_lost_stream_was_asked() -> None:
     assert book.unverified_wanted() == [(2, 3)]
     # A dropped relay's held messages are not believed.
     assert book.forget(0) == [2] and book.pending == {}
+
+
+def test_digest_book_finds_the_next_run_to_read_ahead() -> None:
+    book = DigestBook(10, 32)
+    assert book.ahead(0, 4) == (0, 4)
+    book.asking(1, stream=0, first=2, stop=3, now=0.0)
+    assert book.ahead(0, 4) == (0, 2)  # up to what is asked already
+    assert book.ahead(2, 4) == (3, 7)
+    assert book.ahead(8, 4) == (8, 10)  # the plan's end
+    book.asking(2, stream=0, first=0, stop=10, now=0.0)
+    assert book.ahead(0, 4) is None
+
+
+def _source_connection(sent: list[bytes]) -> Any:
+    """What RelayCheck uses of a connection to the source: its socket's send and its watch's state."""
+    state = SimpleNamespace(established=True, lost_at=None)
+    socket = SimpleNamespace(send=lambda data, flags=0: sent.append(data))
+    return SimpleNamespace(token=None, gone="", socket=socket, watch=SimpleNamespace(state=state))
+
+
+def test_a_receive_with_peers_reads_digests_ahead_and_a_refused_read_ahead_only_stops_it() -> None:
+    sent: list[bytes] = []
+    check = RelayCheck([_source_connection(sent)], 100, DigestTerms(1, 7, SHA, time.monotonic() + 60))
+    check.ask([], 0.0)
+    assert sent == []  # no peers yet: nothing is asked ahead (the source would hash for nothing)
+    check.ask([], 0.0, ahead=True)
+    requests = sorted(check.book.requests.values(), key=lambda r: r.first)
+    assert [(r.first, r.stop, r.ahead) for r in requests] == [(0, AHEAD_RUN, True), (AHEAD_RUN, 2 * AHEAD_RUN, True)]
+    assert len(sent) == AHEAD_REQUESTS
+    check.answered(wire.Reply("digests", requests[0].xfer, False, seq=0, dg=b"d" * 32 * AHEAD_RUN), "the source")
+    check.ask([], 0.1, ahead=True)
+    assert max(r.stop for r in check.book.requests.values()) == 3 * AHEAD_RUN  # the next run
+    # The source refuses one (it may hash device memory only as it sends it): reading ahead stops,
+    # peers are still used, and what it covered is asked for as spans reach it.
+    assert check.withdraw(requests[1].xfer) is True and not check.reads_ahead
+    before = len(sent)
+    check.ask([], 0.2, ahead=True)
+    assert len(sent) == before
+    assert check.book.wanted(AHEAD_RUN, AHEAD_RUN + 1) == [(AHEAD_RUN, AHEAD_RUN + 1)]
+
+
+def test_a_read_ahead_the_source_does_not_answer_soon_is_cancelled_and_reading_ahead_stops() -> None:
+    sent: list[bytes] = []
+    check = RelayCheck([_source_connection(sent)], 100, DigestTerms(1, 7, SHA, time.monotonic() + 60))
+    check.ask([], 0.0, ahead=True)
+    assert len(check.book.requests) == AHEAD_REQUESTS
+    check.ask([], AHEAD_PATIENCE / 2, ahead=True)
+    assert len(check.book.requests) == AHEAD_REQUESTS and check.reads_ahead
+    check.ask([], AHEAD_PATIENCE * 1.5, ahead=True)  # e.g. device memory: hashed only as it is sent
+    assert check.book.requests == {} and not check.reads_ahead
+    cancels = [wire.decode_request(frame) for frame in sent[AHEAD_REQUESTS:]]
+    assert [c.op for c in cancels] == [wire.OP_CANCEL] * AHEAD_REQUESTS
+    assert check.book.ahead(0, 4) == (0, 4)  # asked for again as spans reach those messages
 
 
 # ----------------------------------------------------------------------------- held messages in the span book

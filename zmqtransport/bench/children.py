@@ -61,8 +61,9 @@ def _enter(place: Place) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = place.interface  # keep gloo on the benchmark's network
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    if os.environ.get("ZMQTRANSPORT_BENCH_LOG"):  # to see why a trial took the time it took
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(name)s: %(message)s")
+    if os.environ.get("ZMQTRANSPORT_BENCH_LOG"):  # to see why a trial took the time it took ("debug": more)
+        level = logging.DEBUG if os.environ["ZMQTRANSPORT_BENCH_LOG"] == "debug" else logging.INFO
+        logging.basicConfig(level=level, format="%(asctime)s %(processName)s %(name)s: %(message)s")
     else:
         logging.disable(logging.WARNING)  # the transports log INFO lines per transfer
     # HTTPTransport's handler writes an access-log line per request to stderr.

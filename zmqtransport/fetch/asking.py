@@ -87,7 +87,7 @@ class Asking:
         """Everything due now; returns the streams whose connection took no more requests."""
         full = self._questions_due(now) + self._spans(now)
         if self.check is not None:
-            self.check.ask(self._relayed_spans(), now)
+            self.check.ask(self._relayed_spans(), now, ahead=self.peers is not None and bool(self.peers.tokens))
         return full
 
     def _spans(self, now: float) -> list[int]:

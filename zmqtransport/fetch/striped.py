@@ -276,7 +276,8 @@ class StripedReceive:
         check = self.check
         if check is not None and check.asked(xfer):
             assert xfer is not None
-            check.withdraw(xfer)
+            if check.withdraw(xfer):
+                return  # a read-ahead: the digests are asked for again as they are needed
             why = f"the source refused the digests to check it against: [{reply.code}] {reply.text}"
             self.lanes.give_up_on_peers(why)
             return

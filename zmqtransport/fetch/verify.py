@@ -26,6 +26,7 @@ class DigestRequest:
     first: int
     stop: int
     opened: float
+    ahead: bool = False  # asked before any of its messages was fetched from a peer (read-ahead)
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,17 @@ class DigestBook:
                 runs.append((seq, seq + 1))
         return runs
 
-    def asking(self, xfer: int, stream: int, first: int, stop: int, now: float) -> None:
-        self.requests[xfer] = DigestRequest(xfer, stream, first, stop, now)
+    def ahead(self, start: int, run: int) -> tuple[int, int] | None:
+        """The first run (at most ``run`` long) of messages from ``start`` on whose digest is neither
+        known nor asked for; None: there is none."""
+        first = self._asked.find(0, start)
+        if first < 0:
+            return None
+        stop = self._asked.find(1, first, first + run)
+        return first, (min(first + run, len(self._asked)) if stop < 0 else stop)
+
+    def asking(self, xfer: int, stream: int, first: int, stop: int, now: float, ahead: bool = False) -> None:
+        self.requests[xfer] = DigestRequest(xfer, stream, first, stop, now, ahead)
         self._asked[first:stop] = b"\x01" * (stop - first)
 
     # ------------------------------------------------------------------ answers
