@@ -124,10 +124,11 @@ def test_a_receive_with_peers_reads_digests_ahead_and_a_refused_read_ahead_only_
     assert max(r.stop for r in check.book.requests.values()) == 3 * AHEAD_RUN  # the next run
     # The source refuses one (it may hash device memory only as it sends it): reading ahead stops,
     # peers are still used, and what it covered is asked for as spans reach it.
-    assert check.withdraw(requests[1].xfer) is True and not check.reads_ahead
+    assert check.refused(requests[1].xfer) is False and not check.reads_ahead
     before = len(sent)
     check.ask([], 0.2, ahead=True)
     assert len(sent) == before
+    assert check.refused(12345) is None  # not a digest request of this receive
     assert check.book.wanted(AHEAD_RUN, AHEAD_RUN + 1) == [(AHEAD_RUN, AHEAD_RUN + 1)]
 
 

@@ -137,18 +137,18 @@ class RelayCheck:
                          request.first, request.stop, waited * 1000, len(verdicts or ()))
         return verdicts
 
-    def asked(self, xfer: int | None) -> bool:
-        """Whether ``xfer`` is a digest request still out (an error reply for it is about digests)."""
-        return xfer is not None and xfer in self.book.requests
-
-    def withdraw(self, xfer: int) -> bool:
-        """The source refused request ``xfer``. True: it was a read-ahead, and reading ahead stops (the
-        source may hash device memory only as it sends it); what it asked is asked again as it is needed."""
+    def refused(self, xfer: int | None) -> bool | None:
+        """The source refused request ``xfer``: None if it is no digest request of this receive, else
+        whether what peers send can no longer be checked. False for a read-ahead: reading ahead stops
+        (the source may hash device memory only as it sends it) and its messages' digests are asked
+        for as spans reach them."""
+        if xfer is None or xfer not in self.book.requests:
+            return None
         request = self.book.withdraw(xfer)
         if request is not None and request.ahead:
             self.reads_ahead = False
-            return True
-        return False
+            return False
+        return True
 
     def source_lost(self, stream: int) -> None:
         """A connection to the source is gone: what it was asked is asked again on another."""

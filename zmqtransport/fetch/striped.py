@@ -273,13 +273,10 @@ class StripedReceive:
             why = f"error reply [{reply.code}] {reply.text}"
             self.lanes.drop_peer(stream.peer, why, logging.INFO if stopped else None, believed=stopped)
             return
-        check = self.check
-        if check is not None and check.asked(xfer):
-            assert xfer is not None
-            if check.withdraw(xfer):
-                return  # a read-ahead: the digests are asked for again as they are needed
-            why = f"the source refused the digests to check it against: [{reply.code}] {reply.text}"
-            self.lanes.give_up_on_peers(why)
+        refused = self.check.refused(xfer) if self.check is not None else None
+        if refused is not None:
+            if refused:  # nothing peers send can be checked
+                self.lanes.give_up_on_peers(f"the source refused the digests: [{reply.code}] {reply.text}")
             return
         if self.peers is not None and self.peers.answered(xfer) is not None:
             return  # a question about the swarm the source does not answer: no more members to learn of
