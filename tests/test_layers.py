@@ -131,3 +131,18 @@ def test_no_module_re_exports_names_it_does_not_define() -> None:
                 if foreign:
                     offenders.append((module_name(path), foreign))
     assert not offenders, offenders
+
+
+def test_each_wing_logs_under_its_own_name() -> None:
+    """One logger per wing, named after it: a user filters a side's lines with one name."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        wing = next((w for w in WINGS if in_wing(module_name(path), w)), None)
+        if wing is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "getLogger":
+                names = [arg.value for arg in node.args if isinstance(arg, ast.Constant)]
+                if names != [wing]:
+                    wrong.append((module_name(path), names or ast.unparse(node)))
+    assert not wrong, wrong

@@ -161,6 +161,47 @@ def test_readers_leave_when_their_connection_closes_or_nothing_moves_for_the_sta
     assert net.ops(b"q2")[-1] == ("error", wire.ERR_DISALLOWED)
 
 
+def test_what_a_readers_transfers_moved_counts_after_they_end(net: Net) -> None:
+    """A span transfer ends once libzmq has its frames; a slow reader lands them and asks again later."""
+    step = staged(messages=10)
+    net.execute(net.scheduler.stage(step, net.now))
+    net.request(b"r", fetch(header_only=True))
+    net.scheduler.disallow(net.now, BIG)
+    take_due(net)
+    net.tick(STALL - 0.5)
+    net.request(b"r2", fetch(xfer=7, credit=2, span=(0, 4), stage=step.stage_id))
+    net.pump()
+    net.tick(STALL - 0.5)
+    net.scheduler.progress({(b"r2", 7)}, net.now)  # its frames left: the reader is taking data
+    net.tick(0)
+    net.scheduler.disconnected(b"r2")  # the transfer is gone with that connection; the reader is not
+    net.tick(STALL - 0.1)
+    assert step.stage_id in net.scheduler.withdrawals.by_stage
+    net.tick(0.2)
+    assert net.scheduler.withdrawals.by_stage == {}
+
+
+def test_readers_are_given_the_rebind_grace_to_come_back(net: Net) -> None:
+    """A forced rebind drops every reader's connections and queued data: they need time to ask again."""
+    step = staged(messages=10)
+    net.execute(net.scheduler.stage(step, net.now))
+    net.request(b"r", fetch(header_only=True))
+    net.scheduler.disallow(net.now, BIG)
+    take_due(net)
+    net.tick(STALL - 0.5)
+    net.scheduler.rebound(net.now)
+    grace = net.scheduler.limits.rebind_grace
+    assert grace > STALL
+    net.tick(grace - 0.1)
+    assert step.stage_id in net.scheduler.withdrawals.by_stage
+    assert min(net.scheduler.withdrawals.deadlines(net.scheduler.transfers.values())) <= net.now + 0.1
+    net.request(b"r3", span(8, 0, 4, step.stage_id))  # back over a new connection
+    net.pump()
+    assert net.data(b"r3", 8) == [0, 1, 2, 3]
+    net.tick(STALL + 0.1)  # then quiet for the stall bound: let go as before
+    assert net.scheduler.withdrawals.by_stage == {}
+
+
 def test_a_swarm_member_is_kept_while_its_peer_receives_and_served_from_the_copy(net: Net) -> None:
     step = staged(messages=10)
     net.execute(net.scheduler.stage(step, net.now))

@@ -30,7 +30,7 @@ from .scheduler import Key, Scheduler
 from .snapshot import Snapshot
 from .withdrawn import Withdrawn
 
-logger = logging.getLogger("zmqtransport.sender")
+logger = logging.getLogger("zmqtransport.serve")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ class Limits:
     digests_per_peer: int = 16
     digests: int = 256
     # After a forced rebind, how long a parked request whose receiver has not
-    # reconnected yet is kept for another try (DEALERs reconnect every 100 ms).
+    # reconnected yet is kept for another try (DEALERs reconnect every 100 ms),
+    # and the least a withdrawn staging's readers are kept to ask again.
     rebind_grace: float = 5.0
 
 
@@ -320,6 +321,7 @@ class Scheduler:
     def rebound(self, now: float) -> None:
         """The socket was closed and bound again: every receiver is reconnecting."""
         self._rebound_at = now
+        self.withdrawals.rebound(now, self.limits.rebind_grace)
 
     def relay(self, relayed: Relayed, now: float) -> list[Action]:
         """Serve ``relayed`` (a step this side is receiving) to span fetches showing its token.

@@ -29,9 +29,10 @@ Until it is taken the disallow waits; beyond the cap that is the fallback,
 still the contract. A withdrawn staging ends when its receives have: whole transfers end
 (finished, failed, stalled), readers leave (their connection closes; or no
 request, credit or frame of the staging moves for the stall bound: a frozen
-receiver is let go). It ends in any case at the transport timeout after the
-disallow (its transfers then end ``disallowed``): receives are bounded by the
-same timeout.
+receiver is let go; after a forced rebind, which drops every reader's
+connections and what libzmq queued for them, not before the rebind grace).
+It ends in any case at the transport timeout after the disallow (its
+transfers then end ``disallowed``): receives are bounded by the same timeout.
 """
 
 from __future__ import annotations
@@ -76,9 +77,13 @@ class Withdrawn:
     since: float  # when disallow_checkpoint withdrew it
     cap: int  # the most bytes its snapshot (with the others alive) may hold
     readers: set[bytes]
-    last_activity: float  # the latest span fetch for it (transfers' progress counts too)
+    last_activity: float  # the latest span fetch for it, or progress of a transfer of it
     source: Staged | Snapshot = field(init=False)  # the caller's tensors until the snapshot is taken
     checked: float = float("-inf")  # when the cap was last tried
+    # Readers are kept at least until then: a forced rebind dropped their
+    # connections and what libzmq still queued for them, and they come back
+    # only once they have landed what they had and noticed the loss.
+    kept_until: float = float("-inf")
     copying: bool = False  # a snapshot is being taken
     # No transfer needs a message below this (the copy stops there). Written by
     # the serving thread (publish_floors), read by the thread taking the snapshot.
@@ -244,8 +249,10 @@ class Withdrawals:
                 overdue += mine
                 del self.by_stage[stage_id]
                 continue
-            active = max([withdrawn.last_activity, *(t.last_progress for t in mine)])
-            if withdrawn.readers and now - active >= self.stall:
+            # Kept in the record: a span transfer ends as soon as libzmq has its last
+            # frame, long before a slow reader has landed it and asks for more.
+            withdrawn.last_activity = max([withdrawn.last_activity, *(t.last_progress for t in mine)])
+            if withdrawn.readers and now >= self._quiet_until(withdrawn):
                 withdrawn.readers.clear()
             if not mine and not withdrawn.readers:
                 del self.by_stage[stage_id]
@@ -261,8 +268,17 @@ class Withdrawals:
                 times.append(withdrawn.checked + RECHECK)
             if withdrawn.readers:
                 mine = [t.last_progress for t in running if withdrawn.serves(t)]
-                times.append(max([withdrawn.last_activity, *mine]) + self.stall)
+                times.append(max([self._quiet_until(withdrawn), *(t + self.stall for t in mine)]))
         return times
+
+    def _quiet_until(self, withdrawn: Withdrawn) -> float:
+        """When ``withdrawn``'s readers are let go if nothing of it moves (progress folded in by expire)."""
+        return max(withdrawn.last_activity + self.stall, withdrawn.kept_until)
+
+    def rebound(self, now: float, grace: float) -> None:
+        """The socket was closed and bound again: every reader reconnects and asks again, given ``grace``."""
+        for withdrawn in self.by_stage.values():
+            withdrawn.kept_until = max(withdrawn.kept_until, now + grace)
 
     def clear(self) -> None:
         self.by_stage.clear()
