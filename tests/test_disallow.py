@@ -16,7 +16,6 @@ claims (those are the benchmark's: ``--scenario lab-disallow``).
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -29,6 +28,8 @@ import pytest
 import torch
 
 from zmqtransport import ZMQTransport
+
+from .conftest import Processes
 
 LOOPBACK = "127.0.0.1"
 MIB = 1 << 20
@@ -99,10 +100,10 @@ def source_main(conn: Connection, options: dict[str, Any], device: str, relay_lo
 
 class Source:
     def __init__(
-        self, spawn: mp.context.SpawnContext, device: str = "cpu", relay_loopback: bool = False, **options: Any
+        self, processes: Processes, device: str = "cpu", relay_loopback: bool = False, **options: Any
     ) -> None:
-        self.conn, child = spawn.Pipe()
-        self.process = spawn.Process(target=source_main, args=(child, options, device, relay_loopback))
+        self.conn, child = processes.Pipe()
+        self.process = processes.Process(target=source_main, args=(child, options, device, relay_loopback))
         self.process.start()
         child.close()
         if not self.conn.poll(60):
@@ -179,11 +180,11 @@ class Receives:
 
 
 @pytest.fixture
-def source(spawn: mp.context.SpawnContext) -> Any:
+def source(processes: Processes) -> Any:
     made: list[Source] = []
 
     def make(**options: Any) -> Source:
-        made.append(Source(spawn, **options))
+        made.append(Source(processes, **options))
         return made[-1]
 
     yield make
@@ -324,13 +325,13 @@ def _receive_then_freeze(metadata: str) -> None:
 
 
 def test_a_frozen_receiver_holds_disallow_at_most_the_stall_bound(
-    source: Any, receivers: Any, spawn: mp.context.SpawnContext
+    source: Any, receivers: Any, processes: Processes
 ) -> None:
     """A receiver frozen mid-transfer beside one that reads: the source is held at most the stall bound,
     the frozen one's frames are freed, and the other completes with the staged bytes."""
     stall = 1.5
     src = source(stall_timeout=stall)
-    frozen = spawn.Process(target=_receive_then_freeze, args=(src.metadata,))
+    frozen = processes.Process(target=_receive_then_freeze, args=(src.metadata,))
     frozen.start()
     try:
         _wait_until_stopped(frozen.pid or 0, 60)

@@ -1,6 +1,6 @@
 """Dead and stalled peers, leaks over many cycles, and concurrent receivers (issue 5).
 
-Processes that must die mid-transfer are real (``multiprocessing`` spawn) and
+Processes that must die mid-transfer are real (forked by the ``processes`` fixture) and
 die by SIGKILL, so no cleanup code of theirs runs. Time bounds here are hang
 detectors with generous slack, not performance assertions.
 
@@ -9,7 +9,6 @@ All traffic stays on 127.0.0.1.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -25,6 +24,8 @@ import torch
 import zmq
 
 from zmqtransport import ConnectionLostError, RemoteError, ZMQTransport, wire
+
+from .conftest import Processes
 
 LOOPBACK = "127.0.0.1"
 SLACK = 5.0  # seconds a bound may be exceeded by on a loaded 2-core machine
@@ -98,10 +99,10 @@ def _receive_then_die(metadata: str, step: int) -> None:
 # ----------------------------------------------------------------------------- dead sender
 
 
-def test_sender_killed_mid_transfer(spawn: mp.context.SpawnContext) -> None:
+def test_sender_killed_mid_transfer(processes: Processes) -> None:
     """The kernel closes a killed sender's connection: the receiver says so at once, not at the timeout."""
-    out = spawn.Queue()
-    sender = spawn.Process(target=_serve_forever, args=(3, out), daemon=True)
+    out = processes.Queue()
+    sender = processes.Process(target=_serve_forever, args=(3, out), daemon=True)
     sender.start()
     pid, metadata = out.get(timeout=60)
     killed: list[float] = []
@@ -131,10 +132,10 @@ def test_sender_killed_mid_transfer(spawn: mp.context.SpawnContext) -> None:
         receiver.shutdown()
 
 
-def test_sender_killed_before_the_header(spawn: mp.context.SpawnContext) -> None:
+def test_sender_killed_before_the_header(processes: Processes) -> None:
     """A sender that dies between metadata exchange and the fetch: timeout, no hang."""
-    out = spawn.Queue()
-    sender = spawn.Process(target=_serve_forever, args=(4, out), daemon=True)
+    out = processes.Queue()
+    sender = processes.Process(target=_serve_forever, args=(4, out), daemon=True)
     sender.start()
     pid, metadata = out.get(timeout=60)
     os.kill(pid, signal.SIGKILL)
@@ -152,14 +153,14 @@ def test_sender_killed_before_the_header(spawn: mp.context.SpawnContext) -> None
 # ----------------------------------------------------------------------------- dead receiver
 
 
-def test_receiver_killed_mid_transfer(spawn: mp.context.SpawnContext) -> None:
+def test_receiver_killed_mid_transfer(processes: Processes) -> None:
     timeout = 3.0
     state = big_state(5)
     sender: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=timeout), bind_host=LOOPBACK)
     survivor: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=30), bind_host=LOOPBACK)
     try:
         sender.send_checkpoint([1, 2], 1, state, timedelta(seconds=timeout))
-        victim = spawn.Process(target=_receive_then_die, args=(sender.metadata(), 1))
+        victim = processes.Process(target=_receive_then_die, args=(sender.metadata(), 1))
         victim.start()
         # Another receiver fetches the same step while the victim dies.
         results: queue.Queue[Any] = queue.Queue()

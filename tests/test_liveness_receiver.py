@@ -1,6 +1,6 @@
 """A receiver notices a dead or frozen source in seconds, not at the transfer timeout (issue 15).
 
-Sources are real processes (``multiprocessing`` spawn) that are SIGKILLed or
+Sources are real processes (forked by the ``processes`` fixture) that are SIGKILLed or
 SIGSTOPped; every transfer timeout here is 60 s, so a receive that ends in
 seconds ended because of the liveness checks. Time bounds are hang guards with
 generous slack; the measured figures are printed (run with ``-s``).
@@ -10,7 +10,6 @@ All traffic stays on 127.0.0.1.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -26,6 +25,8 @@ import zmq
 
 from zmqtransport import ConnectionLostError, StalledError, ZMQTransport
 from zmqtransport.fetch.liveness import RECONNECT_GRACE, ConnectionState
+
+from .conftest import Processes
 
 LOOPBACK = "127.0.0.1"
 TIMEOUT = timedelta(seconds=60)
@@ -47,9 +48,9 @@ def _serve(seed: int, stage: bool, out: Any) -> None:
     time.sleep(120)
 
 
-def _start_source(spawn: mp.context.SpawnContext, stage: bool = True) -> tuple[int, str]:
-    out = spawn.Queue()
-    spawn.Process(target=_serve, args=(1, stage, out), daemon=True).start()
+def _start_source(processes: Processes, stage: bool = True) -> tuple[int, str]:
+    out = processes.Queue()
+    processes.Process(target=_serve, args=(1, stage, out), daemon=True).start()
     pid, metadata = out.get(timeout=60)
     return int(pid), str(metadata)
 
@@ -73,9 +74,9 @@ def test_only_an_established_connection_can_be_lost() -> None:
 # ----------------------------------------------------------------------------- dead source
 
 
-def test_source_killed_while_the_receiver_waits_for_its_step(spawn: mp.context.SpawnContext) -> None:
+def test_source_killed_while_the_receiver_waits_for_its_step(processes: Processes) -> None:
     """Connected, waiting for a step not staged yet: a killed source ends the wait after the reconnect grace."""
-    pid, metadata = _start_source(spawn, stage=False)
+    pid, metadata = _start_source(processes, stage=False)
     receiver: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
     try:
         killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
@@ -96,8 +97,8 @@ def test_source_killed_while_the_receiver_waits_for_its_step(spawn: mp.context.S
 # ----------------------------------------------------------------------------- frozen source
 
 
-def test_source_stopped_mid_transfer_is_a_stall(spawn: mp.context.SpawnContext) -> None:
-    pid, metadata = _start_source(spawn)
+def test_source_stopped_mid_transfer_is_a_stall(processes: Processes) -> None:
+    pid, metadata = _start_source(processes)
     stopped: list[float] = []
 
     def stop_source(done: int, total: int) -> None:
@@ -122,9 +123,9 @@ def test_source_stopped_mid_transfer_is_a_stall(spawn: mp.context.SpawnContext) 
         receiver.shutdown()
 
 
-def test_source_stopped_before_the_header_is_noticed_by_heartbeats(spawn: mp.context.SpawnContext) -> None:
+def test_source_stopped_before_the_header_is_noticed_by_heartbeats(processes: Processes) -> None:
     """A source that stops answering (as a vanished host would) while the receiver waits for its step."""
-    pid, metadata = _start_source(spawn, stage=False)
+    pid, metadata = _start_source(processes, stage=False)
     stall = 1.0
     receiver: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK, stall_timeout=stall)
     stopper = threading.Timer(1.0, os.kill, (pid, signal.SIGSTOP))

@@ -10,7 +10,6 @@ All traffic stays on 127.0.0.1.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -24,6 +23,8 @@ import torch
 import zmq
 
 from zmqtransport import ZMQTransport, wire
+
+from .conftest import Processes
 
 LOOPBACK = "127.0.0.1"
 MiB = 2**20
@@ -99,7 +100,7 @@ def stalled_logged(caplog: pytest.LogCaptureFixture) -> bool:
 
 
 def test_frozen_receiver_does_not_hold_up_disallow_past_the_stall_bound(
-    spawn: mp.context.SpawnContext, caplog: pytest.LogCaptureFixture
+    processes: Processes, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With a 60 s transport timeout, disallow returns within the stall bound + 1 s of a
     receiver freezing mid-transfer; the next receiver on the same port gets the next step."""
@@ -111,7 +112,7 @@ def test_frozen_receiver_does_not_hold_up_disallow_past_the_stall_bound(
         timedelta(seconds=60), stall_timeout=stall, bind_host=LOOPBACK, chunk_bytes=8 * MiB
     )
     fresh: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=30), bind_host=LOOPBACK)
-    frozen = spawn.Process(target=_receive_then_freeze, args=(sender.metadata(), 1))
+    frozen = processes.Process(target=_receive_then_freeze, args=(sender.metadata(), 1))
     try:
         sender.send_checkpoint([1], 1, state, timedelta(seconds=60))
         port = sender.address.port
@@ -143,7 +144,7 @@ def test_frozen_receiver_does_not_hold_up_disallow_past_the_stall_bound(
 
 
 def test_frozen_receiver_is_dropped_and_its_frames_freed_without_a_disallow(
-    spawn: mp.context.SpawnContext, caplog: pytest.LogCaptureFixture
+    processes: Processes, caplog: pytest.LogCaptureFixture
 ) -> None:
     """While the step stays staged and nothing else runs, the stalled transfer's frames
     are freed once the stall bound passes; a later disallow does not wait again."""
@@ -152,7 +153,7 @@ def test_frozen_receiver_is_dropped_and_its_frames_freed_without_a_disallow(
     sender: ZMQTransport[Any] = ZMQTransport(
         timedelta(seconds=60), stall_timeout=timedelta(seconds=stall), bind_host=LOOPBACK, chunk_bytes=8 * MiB
     )
-    frozen = spawn.Process(target=_receive_then_freeze, args=(sender.metadata(), 1))
+    frozen = processes.Process(target=_receive_then_freeze, args=(sender.metadata(), 1))
     try:
         with caplog.at_level(logging.WARNING, logger="zmqtransport"):
             sender.send_checkpoint([1], 1, state, timedelta(seconds=60))
@@ -179,7 +180,7 @@ def test_frozen_receiver_is_dropped_and_its_frames_freed_without_a_disallow(
 
 
 def test_killed_receiver_is_dropped_at_once_not_after_the_stall_bound(
-    spawn: mp.context.SpawnContext, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    processes: Processes, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     """A receiver killed while its transfer has no credit left: no send fails, so only the
     closed connection tells. The transfer is dropped in well under the 30 s stall bound."""
@@ -192,7 +193,7 @@ def test_killed_receiver_is_dropped_at_once_not_after_the_stall_bound(
     try:
         sender.send_checkpoint([1], 1, state, timedelta(seconds=60))
         with caplog.at_level(logging.WARNING, logger="zmqtransport"):
-            victim = spawn.Process(target=_fetch_two_then_die, args=(sender.metadata(), 1, str(stamp)))
+            victim = processes.Process(target=_fetch_two_then_die, args=(sender.metadata(), 1, str(stamp)))
             victim.start()
             victim.join(60)
             assert victim.exitcode == -signal.SIGKILL

@@ -1,4 +1,4 @@
-"""The recovery scenario across real processes (spawn), with bit-exact content checks."""
+"""The recovery scenario across real processes, with bit-exact content checks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+
+from .conftest import Processes
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -59,8 +61,8 @@ def receive(metadata: str, step: int, result: Any) -> None:
         transport.shutdown()
 
 
-def test_recovery_across_processes() -> None:
-    context = mp.get_context("spawn")
+def test_recovery_across_processes(processes: Processes) -> None:
+    context = processes
     queue, results, go = context.Queue(), context.Queue(), context.Event()
     sender = context.Process(target=serve, args=([1, 2], queue, go))
     sender.start()

@@ -21,7 +21,7 @@ import torch
 from zmqtransport import ZMQTransport, relayed
 from zmqtransport.net import choose_advertise_host, is_local_address
 
-from .conftest import TIMEOUT
+from .conftest import TIMEOUT, Processes
 
 LOOPBACK = "127.0.0.1"
 MIB = 1 << 20
@@ -156,12 +156,14 @@ def _relay_child(metadata: str, step: int, killed_at: int, holds: Any) -> None:
     receiver.recv_checkpoint(0, metadata, step, TIMEOUT)
 
 
-def test_a_relay_killed_mid_transfer_costs_its_downstream_nothing_but_time(make_transport: Any, spawn: Any) -> None:
+def test_a_relay_killed_mid_transfer_costs_its_downstream_nothing_but_time(
+    make_transport: Any, processes: Processes
+) -> None:
     sender = make_transport(checksum=True)
     want = state(32)
     sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
-    holds = spawn.Event()
-    child = spawn.Process(target=_relay_child, args=(sender.metadata(), 1, nbytes(want) // 3, holds))
+    holds = processes.Event()
+    child = processes.Process(target=_relay_child, args=(sender.metadata(), 1, nbytes(want) // 3, holds))
     child.start()
     # The downstream starts once the relay holds a sixth of the state: a swarm
     # asks a peer only for what it holds, and one that started earlier could
