@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +17,8 @@ import torch
 
 from zmqtransport import RemoteError, ZMQTransport, wire
 from zmqtransport.lab import Lab
+
+from .warmstart import WarmProcess, WarmStarter
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -165,19 +166,30 @@ def processes() -> Iterator[Processes]:
         child.join(10)
 
 
-def lab_python(
-    lab: Lab, host: int, script: str, *args: str, env: dict[str, str] | None = None, stderr: bool = True
-) -> subprocess.Popen[str]:
-    """Run ``python -c script args`` on a lab host: stdin and stdout (and stderr) piped, as text.
+_WARM: list[WarmStarter] = []  # this pytest process's warm server, started with its first lab child
 
-    ``env``: the whole environment (default: this one); torch's warnings are off either way.
+
+def warm_python(
+    namespace: str, script: str, *args: str, env: Mapping[str, str] | None = None, stderr: bool = True
+) -> WarmProcess:
+    """Run ``python -c script args`` in network namespace ``namespace``: stdin and stdout (and stderr)
+    piped, as text.
+
+    Forked from a warm server (tests/warmstart.py: a cold interpreter spends
+    about 3 s of CPU importing torch first). ``env``: the whole environment
+    (default: this one); torch's warnings are off either way.
     """
-    return lab.popen(
-        host,
-        [sys.executable, "-c", script, *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE if stderr else None,
-        text=True,
-        env={**(os.environ if env is None else env), "PYTHONWARNINGS": "ignore"},
-    )
+    if not _WARM:
+        _WARM.append(WarmStarter())
+        atexit.register(_WARM[0].close)
+    environment = {**(os.environ if env is None else env), "PYTHONWARNINGS": "ignore"}
+    return _WARM[0].popen(namespace, script, args, environment, stderr=stderr)
+
+
+def lab_python(
+    lab: Lab, host: int, script: str, *args: str, env: Mapping[str, str] | None = None, stderr: bool = True
+) -> WarmProcess:
+    """:func:`warm_python` on a lab host; the lab stops it when it closes, if it still runs."""
+    process = warm_python(lab.namespace(host), script, *args, env=env, stderr=stderr)
+    lab.adopt(process)
+    return process

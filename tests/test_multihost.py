@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 import threading
 from collections.abc import Iterator
@@ -35,9 +34,10 @@ import pytest
 
 from zmqtransport.net import ADVERTISE_ENV, parse_metadata
 
+from .conftest import warm_python
+
 LINK_A, LINK_B = "10.211.0.1", "10.211.0.2"  # the shared link
 OTHER_A, OTHER_GW = "10.212.0.1", "10.212.0.2"  # A's other interface, unreachable from B
-PYTHON = sys.executable
 STEP = 3
 pytestmark = pytest.mark.system
 
@@ -161,20 +161,10 @@ RECEIVER = textwrap.dedent(
 ) % {"step": STEP}
 
 
-def _in_namespace(space: str, script: str, argument: Any) -> list[str]:
-    return ["ip", "netns", "exec", space, PYTHON, "-c", script, json.dumps(argument)]
-
-
 def serve_and_fetch(hosts: Namespaces, configs: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """Start the sender in A with ``configs``, fetch every metadata from B; both results."""
-    sender = subprocess.Popen(
-        _in_namespace(hosts.a, SENDER, configs),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={k: v for k, v in os.environ.items() if k != ADVERTISE_ENV},
-    )
+    env = {k: v for k, v in os.environ.items() if k != ADVERTISE_ENV}
+    sender = warm_python(hosts.a, SENDER, json.dumps(configs), env=env)
     try:
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(sender.stdout.readline()))  # type: ignore[union-attr]
@@ -184,14 +174,10 @@ def serve_and_fetch(hosts: Namespaces, configs: list[dict[str, Any]]) -> tuple[l
             sender.kill()
             raise AssertionError(f"the sender in {hosts.a} failed: {sender.communicate()[1][-2000:]}")
         metadata = json.loads(line[0])
-        receiver = subprocess.run(
-            _in_namespace(hosts.b, RECEIVER, metadata),
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
-        assert receiver.returncode == 0, receiver.stderr[-2000:]
-        return metadata, json.loads(receiver.stdout.strip().splitlines()[-1])
+        receiver = warm_python(hosts.b, RECEIVER, json.dumps(metadata))
+        out, err = receiver.communicate(timeout=180)
+        assert receiver.returncode == 0, err[-2000:]
+        return metadata, json.loads(out.strip().splitlines()[-1])
     finally:
         if sender.poll() is None:
             try:

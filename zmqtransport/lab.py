@@ -42,7 +42,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 NAME_ROOT = "zlab"
 SUBNET_PREFIX = "10.77"  # private; used only inside the lab's own namespaces
@@ -192,6 +192,18 @@ def remove_leftovers() -> list[str]:
     return removed
 
 
+class Process(Protocol):
+    """What :meth:`Lab.close` needs of a process it stops: ``subprocess.Popen``'s calls."""
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 # Labs of this process that are still up, for atexit and SIGTERM.
 _LIVE: dict[str, Lab] = {}
 _LIVE_LOCK = threading.Lock()
@@ -273,7 +285,7 @@ class Lab:
         self.switch = f"{self.prefix}sw"
         self._owner_pid = os.getpid()
         self._created: list[str] = []
-        self._processes: list[subprocess.Popen[Any]] = []
+        self._processes: list[Process] = []
         self._closed = False
 
     # -- names and addresses
@@ -361,6 +373,10 @@ class Lab:
         )
         self._processes.append(process)
         return process
+
+    def adopt(self, process: Process) -> None:
+        """Stop ``process`` at close() too, like those of :meth:`popen` (one started on a host otherwise)."""
+        self._processes.append(process)
 
     def run(
         self, host: int, argv: Sequence[str], timeout: float = 60.0, **kwargs: Any
