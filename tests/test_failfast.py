@@ -398,6 +398,7 @@ def only_own_error_line(result: subprocess.CompletedProcess[str], command: str) 
     return result.stderr.strip()
 
 
+@pytest.mark.system  # the CLI: a layer above the bindings (pyproject.toml)
 def test_cli_help_prints_nothing_on_stderr() -> None:
     result = run_cli("--help")
     assert result.returncode == 0, result
@@ -405,6 +406,7 @@ def test_cli_help_prints_nothing_on_stderr() -> None:
     assert "usage: zmqtransport" in result.stdout
 
 
+@pytest.mark.system  # the CLI: a layer above the bindings (pyproject.toml)
 def test_cli_inspect_runs_and_errors_without_foreign_warnings() -> None:
     with ZMQTransport(TIMEOUT, bind_host=LOOPBACK) as peer:
         peer.send_checkpoint([], 3, {"w": torch.arange(4.0)}, TIMEOUT)
@@ -416,6 +418,7 @@ def test_cli_inspect_runs_and_errors_without_foreign_warnings() -> None:
         assert "requested step 4 but this peer serves step 3" in line
 
 
+@pytest.mark.system  # the CLI: a layer above the bindings (pyproject.toml)
 def test_cli_serve_misconfiguration_is_one_line(tmp_path: Any, busy_port: int) -> None:
     checkpoint = tmp_path / "small.pt"
     torch.save({"w": torch.arange(6.0)}, checkpoint)

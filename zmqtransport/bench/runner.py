@@ -166,11 +166,30 @@ def _gather(children: Sequence[_Child], timeout: float, *command: Any) -> list[A
     return [child.reply(timeout) for child in children]
 
 
+# How children start. "forkserver" (the default): each is forked from one server process
+# that has imported torch and zmqtransport and done nothing else, so a child is a new
+# process that has received nothing, allocated no tensor and opened no socket; what is
+# timed starts at recv_checkpoint, after the imports either way. A spawned child
+# (ZMQTRANSPORT_BENCH_START=spawn) first spends about 3 s of CPU importing torch, which
+# was most of a short benchmark's run time. Measured alike: docs/performance.md.
+START_METHOD = os.environ.get("ZMQTRANSPORT_BENCH_START", "forkserver")
+PRELOAD = ["torch", "zmqtransport", "zmqtransport.bench.children"]
+
+
+def _context() -> Any:
+    """The multiprocessing context of :data:`START_METHOD` (typed loosely: each method has its own class)."""
+    context = multiprocessing.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        context.set_forkserver_preload(PRELOAD)
+    return context
+
+
 def _spawn(name: str, target: Callable[..., None], *args: Any) -> _Child:
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     parent_end, child_end = context.Pipe()
     process = context.Process(target=target, args=(child_end, *args), name=name, daemon=True)
-    # torch warns at import, in every fresh child, that numpy is missing; it does not matter here.
+    # torch warns at import (in every spawned child, or once in the fork server) that numpy is
+    # missing; it does not matter here.
     previous = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = previous or "ignore::UserWarning"
     try:
@@ -267,7 +286,7 @@ class _Run:
     def trial(self, method: str, step: int, number: int) -> Trial:
         scenario, timeout = self.scenario, self.trial_timeout
         stage_seconds = self.sender.call(timeout, "stage", method, step)
-        context = multiprocessing.get_context("spawn")
+        context = _context()
         started = [context.Event() if scenario.disallow else None for _ in range(scenario.receivers)]
         receivers = [
             _spawn(
