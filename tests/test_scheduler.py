@@ -760,6 +760,10 @@ def test_relayed_messages_go_out_only_once_landed_and_stop_ends_them(net: Net) -
     relay.landed_one(2, None)
     net.pump()
     assert net.data(b"down") == [0, 1]
+    # A span fetch that comes after the stop is refused at once, not held for the registration grace.
+    net.request(b"late", fetch(xfer=4, credit=2, span=(2, 4), stage=relay.stage_id, token=relay.token))
+    assert net.ops(b"late") == [("error", wire.ERR_NOT_RELAYING)]
+    assert net.scheduler.relaying.waiting == []
 
 
 def test_span_fetch_to_a_relay_needs_its_token_stage_and_step(net: Net) -> None:

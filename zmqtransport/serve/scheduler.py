@@ -606,13 +606,18 @@ class RelayedSteps:
     """The steps this side relays (its receives, served onward: :class:`Relayed`), by token.
 
     Also the span fetches that came for a token not registered yet: they wait
-    (:data:`RELAY_REGISTER_GRACE`) for it. Pure; the scheduler owns it.
+    (:data:`RELAY_REGISTER_GRACE`) for it; and the tokens this side stopped
+    serving, whose span fetches are refused at once. Pure; the scheduler owns it.
     """
 
     def __init__(self, limit: int) -> None:
         self.steps: dict[bytes, Relayed] = {}
         self.waiting: list[Parked] = []
         self.limit = limit
+        # Tokens relayed no more (insertion-ordered, the newest `limit`): a member
+        # still asking under one is told at once instead of waiting out the
+        # registration grace, which a finished member's peers paid at every tail.
+        self.stopped: dict[bytes, None] = {}
 
     def register(self, relayed: Relayed) -> list[Parked]:
         """Serve ``relayed``; returns the span fetches that waited for its token (forgotten here)."""
@@ -631,6 +636,8 @@ class RelayedSteps:
         peer, request = fetch.peer, fetch.request
         assert request.token is not None and request.span is not None  # wire.decode_request
         relayed = self.steps.get(request.token)
+        if relayed is None and request.token in self.stopped:
+            return Refuse(peer, request.xfer, wire.ERR_NOT_RELAYING, "this relay has stopped relaying")
         if relayed is None:
             if len(self.waiting) >= self.limit:
                 return Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")
@@ -656,6 +663,9 @@ class RelayedSteps:
     def stop(self, token: bytes, transfers: Iterable[Transfer]) -> list[Transfer]:
         """Relay ``token``'s step no more; returns the transfers serving it (to end)."""
         relayed = self.steps.pop(token, None)
+        self.stopped[token] = None
+        while len(self.stopped) > self.limit:
+            del self.stopped[next(iter(self.stopped))]
         return [t for t in transfers if t.staged is relayed]
 
     def late(self, now: float) -> list[Refuse]:
