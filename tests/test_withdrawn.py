@@ -161,13 +161,19 @@ def test_readers_leave_when_their_connection_closes_or_nothing_moves_for_the_sta
     assert net.ops(b"q2")[-1] == ("error", wire.ERR_DISALLOWED)
 
 
-def test_what_a_readers_transfers_moved_counts_after_they_end(net: Net) -> None:
-    """A span transfer ends once libzmq has its frames; a slow reader lands them and asks again later."""
+def reader_at_a_disallow(net: Net) -> Staged:
+    """Stage 10 messages, send reader "r" the header alone, disallow, take the snapshot."""
     step = staged(messages=10)
     net.execute(net.scheduler.stage(step, net.now))
     net.request(b"r", fetch(header_only=True))
     net.scheduler.disallow(net.now, BIG)
     take_due(net)
+    return step
+
+
+def test_what_a_readers_transfers_moved_counts_after_they_end(net: Net) -> None:
+    """A span transfer ends once libzmq has its frames; a slow reader lands them and asks again later."""
+    step = reader_at_a_disallow(net)
     net.tick(STALL - 0.5)
     net.request(b"r2", fetch(xfer=7, credit=2, span=(0, 4), stage=step.stage_id))
     net.pump()
@@ -183,11 +189,7 @@ def test_what_a_readers_transfers_moved_counts_after_they_end(net: Net) -> None:
 
 def test_readers_are_given_the_rebind_grace_to_come_back(net: Net) -> None:
     """A forced rebind drops every reader's connections and queued data: they need time to ask again."""
-    step = staged(messages=10)
-    net.execute(net.scheduler.stage(step, net.now))
-    net.request(b"r", fetch(header_only=True))
-    net.scheduler.disallow(net.now, BIG)
-    take_due(net)
+    step = reader_at_a_disallow(net)
     net.tick(STALL - 0.5)
     net.scheduler.rebound(net.now)
     grace = net.scheduler.limits.rebind_grace
