@@ -316,6 +316,15 @@ def test_device_state_completes_from_a_host_snapshot(source: Any, receivers: Any
     assert report is not None and report["stats"].snapshot_bytes > 0
 
 
+def test_a_slow_reader_is_kept_while_it_lands_what_it_was_sent(source: Any, receivers: Any) -> None:
+    """A striped receive landing a message per 0.3 s asks the source for nothing for longer than its
+    1 s stall bound: its signs of life (asking.KEEPALIVE_EVERY) keep it a reader of the withdrawn step."""
+    src = source(stall_timeout=1.0)
+    run = Receives(src, at=0.2, per_message=0.3)
+    (got,) = run.run([receiver(receivers, run.progress(), streams=2)])
+    assert_staged(got)
+
+
 def _receive_then_freeze(metadata: str) -> None:
     def freeze(done: int, total: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)

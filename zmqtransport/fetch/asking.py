@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,14 @@ from .relaying import RelayDuty
 from .spans import SOURCE, Span, SpanBook
 
 logger = logging.getLogger("zmqtransport.fetch")
+
+# Seconds: a receive that sent the source nothing for this long asks it a `have`
+# question, as a sign of life. A withdrawn staging (disallow_checkpoint ran
+# during the receive) lets its readers go after the source's stall bound of
+# silence, and a reader landing what it already holds asks for nothing
+# meanwhile: a slow one was cut off mid-receive. Swarm members ask the source
+# every 50 ms anyway (peers.MEMBERS_EVERY).
+KEEPALIVE_EVERY = 0.5
 
 
 @dataclass(frozen=True)
@@ -81,14 +90,28 @@ class Asking:
         self.check = check
         self.duty = duty
         self.cancelled: set[int] = set()  # span fetches told to stop: what still arrives for them is dropped
+        self.keepalives: set[int] = set()  # signs of life sent to the source: their answers are dropped
         self._questions = 0  # questions asked so far (which connection to the source asks next)
+        self._to_source = -math.inf  # when a request last went to the source
 
     def send(self, now: float) -> list[int]:
         """Everything due now; returns the streams whose connection took no more requests."""
         full = self._questions_due(now) + self._spans(now)
         if self.check is not None:
             self.check.ask(self._relayed_spans(), now, ahead=self.peers is not None and bool(self.peers.tokens))
+        self._keepalive(now)
         return full
+
+    def _keepalive(self, now: float) -> None:
+        if (self.peers is not None and self.peers.own_token is not None) or now - self._to_source < KEEPALIVE_EVERY:
+            return
+        for stream in self.streams:
+            if stream.token is None and not stream.gone and not stream.interrupted:
+                xfer = random.getrandbits(63)
+                if _send(stream, wire.have_request(xfer, self.terms.stage, None)):
+                    self.keepalives.add(xfer)
+                    self._to_source = now
+                return
 
     def _spans(self, now: float) -> list[int]:
         full: list[int] = []
@@ -100,6 +123,8 @@ class Asking:
                 if not _send(stream, span_request(span, self.terms, stream.token, now)):
                     full.append(index)
                     break
+                if stream.token is None:
+                    self._to_source = now
         if self.duty is not None:
             self.duty.fetching(self.book.asked())  # the others ask the source for something else
         return full

@@ -224,7 +224,7 @@ class StripedReceive:
     # ------------------------------------------------------------------ messages
 
     def _drain(self, index: int, stream: Connection) -> None:
-        who = describe(stream, self.who)
+        who, until = describe(stream, self.who), time.monotonic() + CHECK_EVERY  # then the loop's turn
         for _ in range(DRAIN_BATCH):
             try:
                 reply = next_reply(stream.socket, who)
@@ -235,7 +235,7 @@ class StripedReceive:
                 if stream.token is None:
                     raise  # the source's own: the receive fails
                 self.lanes.drop_peer(stream.peer, f"malformed message: {exc}", believed=False)
-            if self.book.complete or stream.gone:
+            if self.book.complete or stream.gone or time.monotonic() >= until:
                 return
 
     def _handle(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
@@ -265,8 +265,8 @@ class StripedReceive:
 
     def _on_error(self, stream: Connection, reply: wire.Reply, who: str) -> None:
         xfer = reply.xfer
-        if xfer in self.asking.cancelled:
-            return
+        if xfer in self.asking.cancelled or xfer in self.asking.keepalives:
+            return  # a sign of life the source does not answer (an earlier release) needs no answer
         if stream.token is not None:
             # A peer is a helper: whatever it refuses, the source or another peer serves.
             stopped = reply.code == wire.ERR_NOT_RELAYING  # it stopped serving: routine at the end of its tail
@@ -283,6 +283,8 @@ class StripedReceive:
         raise refusal(reply, who, self.terms.step)
 
     def _on_have(self, stream: Connection, reply: wire.Reply, who: str) -> None:
+        if reply.xfer in self.asking.keepalives and stream.token is None:
+            return  # the answer to a sign of life
         peer = self.peers.answered(reply.xfer) if self.peers is not None else None
         if peer is None or self.peers is None or peer != stream.peer:
             raise ProtocolError(f"{who}: a have reply to no question")
