@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 import zmq
 
-from zmqtransport import ConnectionLostError, RemoteError, ZMQTransport, wire
+from zmqtransport import ConnectionLostError, ZMQTransport, wire
 
 from .conftest import Processes
 
@@ -491,19 +492,31 @@ def test_eight_receivers_at_once_repeatedly(checksum: bool) -> None:
         sender.shutdown()
 
 
-def test_disallow_during_transfers_fails_them_cleanly() -> None:
-    """Receivers cut off by disallow_checkpoint get a clear error, never partial state."""
+def test_disallow_during_transfers_never_shows_mutated_state() -> None:
+    """Receives running at disallow_checkpoint finish with the staged bytes, never the mutated ones.
+
+    The disallow waits until every receiver has taken data: a request that
+    reached the source only after it would be parked for a later staging of
+    the step (as torchft's HTTPTransport holds it), which is not what this
+    test is about (and under a loaded CI machine 50 ms was not always enough
+    for four threads to ask).
+    """
     timeout = timedelta(seconds=30)
+    taking = [threading.Event() for _ in range(4)]
+
+    def on_progress(event: threading.Event) -> Callable[[int, int], None]:
+        return lambda done, total: event.set()
+
     sender: ZMQTransport[Any] = ZMQTransport(timeout, bind_host=LOOPBACK)
-    receivers = [ZMQTransport(timeout, bind_host=LOOPBACK, window=1) for _ in range(4)]
+    receivers = [
+        ZMQTransport(timeout, bind_host=LOOPBACK, window=1, progress=on_progress(event)) for event in taking
+    ]
     state = big_state(13)
     try:
         sender.send_checkpoint([1], 1, state, timeout)
         results: queue.Queue[Any] = queue.Queue()
-        started = threading.Barrier(5)
 
         def fetch(receiver: ZMQTransport[Any]) -> None:
-            started.wait(30)
             try:
                 results.put(receiver.recv_checkpoint(0, sender.metadata(), 1, timeout))
             except BaseException as exc:  # reported to the main thread
@@ -512,21 +525,19 @@ def test_disallow_during_transfers_fails_them_cleanly() -> None:
         workers = [threading.Thread(target=fetch, args=(r,)) for r in receivers]
         for worker in workers:
             worker.start()
-        started.wait(30)
-        time.sleep(0.05)
+        for event in taking:
+            assert event.wait(30), "a receiver took no data in 30 s"
         sender.disallow_checkpoint()
         state["weight"].zero_()  # allowed now: nobody may see these zeros
         for worker in workers:
             worker.join(60)
+        assert not any(worker.is_alive() for worker in workers)
         for _ in workers:
             outcome = results.get_nowait()
-            if isinstance(outcome, RemoteError):
-                assert outcome.code == wire.ERR_DISALLOWED
-            elif isinstance(outcome, BaseException):
+            if isinstance(outcome, BaseException):
                 raise outcome
-            else:  # finished before the disallow: must be the unmutated state
-                assert not torch.equal(outcome["weight"], state["weight"])
-                assert_big_state(outcome, big_state(13))
+            assert not torch.equal(outcome["weight"], state["weight"])
+            assert_big_state(outcome, big_state(13))
     finally:
         for receiver in receivers:
             receiver.shutdown()
