@@ -343,20 +343,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            stopping = False
-            while not stopping:
-                # One more look after the signal: a transfer that finished just
-                # before it is still reported.
-                stopping = stop.event.wait(0.2)
-                served, finished = transport.sent_since(served)
-                for stats in finished:
-                    print(
-                        f"{time.strftime('%H:%M:%S')} served step {stats.step} to {_peer_name(stats.peer)}: "
-                        f"{stats.tensors} tensors, {human_bytes(stats.bytes)} in {stats.seconds:.2f} s "
-                        f"({_rate(stats.bytes, stats.seconds)})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+            _report_served_until(stop.event, transport, served)
             print(f"{time.strftime('%H:%M:%S')} {stop.received}: stopping", file=sys.stderr, flush=True)
     finally:
         try:
@@ -367,6 +354,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 # A stale metadata file would send the next reader to a dead port.
                 metadata_file.unlink(missing_ok=True)
     return EXIT_OK
+
+
+def _report_served_until(stop: threading.Event, transport: ZMQTransport[Any], served: int) -> None:
+    """Print a line on stderr for each transfer ``transport`` finishes, until ``stop`` is set."""
+    stopping = False
+    while not stopping:
+        # One more look after the signal: a transfer that finished just
+        # before it is still reported.
+        stopping = stop.wait(0.2)
+        served, finished = transport.sent_since(served)
+        for stats in finished:
+            print(
+                f"{time.strftime('%H:%M:%S')} served step {stats.step} to {_peer_name(stats.peer)}: "
+                f"{stats.tensors} tensors, {human_bytes(stats.bytes)} in {stats.seconds:.2f} s "
+                f"({_rate(stats.bytes, stats.seconds)})",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def describe_header(header: Any, peer: str) -> dict[str, Any]:
