@@ -135,21 +135,23 @@ def test_a_reader_may_ask_any_span_so_its_snapshot_holds_every_message(net: Net)
     assert net.ops(b"x")[1:] == [("error", wire.ERR_WRONG_STEP), ("error", wire.ERR_BAD_REQUEST)]
 
 
-def test_readers_leave_when_their_connection_closes_or_nothing_moves_for_the_stall_bound(net: Net) -> None:
+def reader_at_a_disallow(net: Net, reader: bytes = b"r") -> Staged:
+    """Stage 10 messages, send ``reader`` the header alone, disallow, take the snapshot."""
     step = staged(messages=10)
     net.execute(net.scheduler.stage(step, net.now))
-    net.request(b"r", fetch(header_only=True))
+    net.request(reader, fetch(header_only=True))
     net.scheduler.disallow(net.now, BIG)
     take_due(net)
+    return step
+
+
+def test_readers_leave_when_their_connection_closes_or_nothing_moves_for_the_stall_bound(net: Net) -> None:
+    reader_at_a_disallow(net)
     net.scheduler.disconnected(b"r")
     net.tick(0)
     assert net.scheduler.withdrawals.by_stage == {}
 
-    again = staged(messages=10)
-    net.execute(net.scheduler.stage(again, net.now))
-    net.request(b"q", fetch(header_only=True))
-    net.scheduler.disallow(net.now, BIG)
-    take_due(net)
+    again = reader_at_a_disallow(net, b"q")
     net.tick(STALL - 0.1)
     net.request(b"q2", span(7, 0, 2, again.stage_id))  # activity: it is still receiving
     net.pump()
@@ -159,16 +161,6 @@ def test_readers_leave_when_their_connection_closes_or_nothing_moves_for_the_sta
     assert net.scheduler.withdrawals.by_stage == {}
     net.request(b"q2", span(8, 2, 4, again.stage_id))
     assert net.ops(b"q2")[-1] == ("error", wire.ERR_DISALLOWED)
-
-
-def reader_at_a_disallow(net: Net) -> Staged:
-    """Stage 10 messages, send reader "r" the header alone, disallow, take the snapshot."""
-    step = staged(messages=10)
-    net.execute(net.scheduler.stage(step, net.now))
-    net.request(b"r", fetch(header_only=True))
-    net.scheduler.disallow(net.now, BIG)
-    take_due(net)
-    return step
 
 
 def test_what_a_readers_transfers_moved_counts_after_they_end(net: Net) -> None:
