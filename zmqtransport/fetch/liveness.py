@@ -53,6 +53,8 @@ HEARTBEAT_IVL = 1.0
 HEARTBEAT_MARGIN = 1.0
 
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# As plain ints: pyzmq's enums cost a few microseconds per operation, on every pass of a receive's loop.
+_READY, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 # A failed connection attempt (another is scheduled): watched only when choosing
 # among several paths (.racing); ConnectionState ignores it.
 REFUSAL_EVENTS = zmq.EVENT_CONNECT_RETRIED
@@ -140,7 +142,9 @@ class SourceWatch:
     def read_events(self, now: float) -> list[int]:
         """Apply every event the monitor has queued; return them."""
         events: list[int] = []
-        while True:
+        # Asked first: a receive reads every connection's monitor on each pass of its loop, and
+        # an empty read raises (measured: a sixth of a swarm member's CPU, seven receivers).
+        while self._monitor.getsockopt(_READY) & _POLLIN:
             try:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -148,6 +152,7 @@ class SourceWatch:
             event = int(parse_monitor_message(frames)["event"])
             self.state.on_event(event, now)
             events.append(event)
+        return events
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
