@@ -901,3 +901,52 @@ def test_span_fetch_before_the_relay_registered_its_token_starts_when_it_does(ne
     assert net.data(b"down", 1) == [0]
     net.tick(RELAY_REGISTER_GRACE)
     assert net.ops(b"down") == []  # never refused
+
+
+def test_the_source_reserves_each_message_for_one_member_and_then_says_none_are_left(net: Net) -> None:
+    tokens = iter(bytes([n]) * 16 for n in range(1, 10))
+    net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
+    the_staged = staged()
+    net.execute(net.scheduler.stage(the_staged, net.now))
+    for peer, host in ((b"a", "10.0.0.1"), (b"b", "10.0.0.2")):
+        request = fetch(relay=f"tcp://{host}:1", header_only=True, verify=("sha256",))
+        net.scheduler.on_request(peer, request, host, net.now)
+    a_token, b_token = bytes([1]) * 16, bytes([2]) * 16
+
+    def claim(token: bytes, count: int, xfer: int) -> tuple[int, ...] | None:
+        ask = wire.Request(wire.OP_HAVE, xfer, stage=the_staged.stage_id, token=token, claim=count)
+        (answer,) = net.scheduler.on_request(b"q", ask, "10.0.0.1", net.now)
+        assert isinstance(answer, Have)
+        return answer.claimed
+
+    runs = [claim(token, 4, n) for n, token in enumerate([a_token, b_token] * the_staged.messages)]
+    granted = [run for run in runs if run]
+    reserved = [seq for first, stop in granted for seq in range(first, stop)]  # type: ignore[misc]
+    assert sorted(reserved) == list(range(the_staged.messages))  # every message once, to one member
+    assert all(stop - first <= 4 for first, stop in granted)  # type: ignore[misc]
+    assert runs[len(granted)] == ()  # then: none are left
+    # A question that claims nothing, or a token no member has, reserves nothing.
+    assert claim(a_token, 0, 99) is None
+    assert claim(bytes([9]) * 16, 4, 100) is None
+    # A new staging: a new swarm, nothing reserved.
+    net.execute(net.scheduler.stage(staged(), net.now))
+    assert net.scheduler.swarm.claimed == 0
+
+
+def test_claims_round_trip_and_malformed_ones_are_refused() -> None:
+    request = wire.decode_request(wire.have_request(7, 99, b"t" * 16, claim=4))
+    assert (request.token, request.claim) == (b"t" * 16, 4)
+    assert wire.decode_request(wire.have_request(7, 99, b"t" * 16)).claim == 0
+    for claimed in ((3, 7), ()):
+        reply = wire.decode_reply(wire.have_reply(7, None, 12, claimed=claimed), False, "x")
+        assert reply.claimed == claimed
+    assert wire.decode_reply(wire.have_reply(7, None, 12), False, "x").claimed is None  # an earlier release
+    have = {"v": wire.PROTOCOL_VERSION, "op": wire.OP_HAVE, "id": 1, "stage": 2}
+    for fields in ({"claim": 4}, {"claim": -1, "token": b"t" * 16}, {"claim": 1 << 20, "token": b"t" * 16},
+                   {"claim": "4", "token": b"t" * 16}):
+        with pytest.raises(ProtocolError):
+            wire.decode_request(msgpack.packb({**have, **fields}))
+    for claimed in ([1], [5, 5], [3, 1], ["a", 2], 7, [0, wire.MAX_MESSAGES + 1]):
+        message = {"v": wire.PROTOCOL_VERSION, "op": wire.OP_HAVE, "id": 1, "claimed": claimed}
+        with pytest.raises(ProtocolError):
+            wire.decode_reply(msgpack.packb(message), False, "the source")

@@ -128,6 +128,8 @@ class Request:
     verify: tuple[str, ...] = ()
     inline: bool = False
     digests_only: bool = False
+    # A have request of a swarm member to the source: messages it asks the source to reserve for it.
+    claim: int = 0
 
 
 def decode_request(frame: bytes | memoryview) -> Request:
@@ -179,7 +181,10 @@ def decode_request(frame: bytes | memoryview) -> Request:
         token = message.get("token")
         if token is not None and (not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES):
             raise ProtocolError(f"field 'token' must be {RELAY_TOKEN_BYTES} bytes")
-        return Request(op, xfer, stage=stage, token=token)
+        claim = message.get("claim", 0)
+        if type(claim) is not int or not 0 <= claim <= MAX_CREDIT or (claim and token is None):
+            raise ProtocolError(f"field 'claim' must be 0 to {MAX_CREDIT}, with field 'token'")
+        return Request(op, xfer, stage=stage, token=token, claim=claim)
     return Request(op, xfer)
 
 
@@ -271,19 +276,30 @@ def fetch_request(
     return pack(message)
 
 
-def have_request(xfer: int, stage: int, token: bytes | None) -> bytes:
-    """What do you hold of staging ``stage``? ``token``: the peer's (asking a relay) or the asker's own (the source)."""
+def have_request(xfer: int, stage: int, token: bytes | None, claim: int = 0) -> bytes:
+    """What do you hold of staging ``stage``? ``token``: the peer's (asking a relay) or the asker's own (the source).
+
+    ``claim``: a swarm member asks the source to reserve it up to this many
+    messages that the source has reserved for nobody yet (docs/protocol.md, "Swarm")."""
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HAVE, "id": xfer, "stage": stage}
     if token is not None:
         message["token"] = token
+    if claim:
+        message["claim"] = claim
     return pack(message)
 
 
 def have_reply(
-    xfer: int, bits: int | None, messages: int, peers: Sequence[Peer] = (), coming: int = 0
+    xfer: int,
+    bits: int | None,
+    messages: int,
+    peers: Sequence[Peer] = (),
+    coming: int = 0,
+    claimed: tuple[int, ...] | None = None,
 ) -> bytes:
     """What this side holds (``bits``: a bit per data message; None: everything, the source), what it is
-    fetching now (``coming``) and, from the source, the swarm's other members."""
+    fetching now (``coming``) and, from the source, the swarm's other members and, to a claim, the
+    messages it reserved for the asker (``claimed``: ``(first, stop)``, or ``()`` when none are left)."""
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HAVE, "id": xfer}
     size = (messages + 7) // 8
     if bits is not None:
@@ -292,6 +308,8 @@ def have_reply(
         message["coming"] = coming.to_bytes(size, "little")
     if peers:
         message["peers"] = [[at, token] for at, token in peers]
+    if claimed is not None:
+        message["claimed"] = list(claimed)
     return pack(message)
 
 
@@ -350,6 +368,7 @@ class Reply:
     have: int | None = None  # a have reply's bit set (None: holds everything)
     coming: int = 0  # a have reply's messages being fetched
     peers: tuple[Peer, ...] = ()  # a have reply's swarm members, from the source
+    claimed: tuple[int, ...] | None = None  # the messages the source reserved: (first, stop), () none left
 
 
 def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
@@ -395,8 +414,25 @@ def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
             raise ProtocolError(f"a have reply's 'bits' and 'coming' must be bytes, from {who}")
         have = None if bits is None else int.from_bytes(bits, "little")
         fetching = int.from_bytes(coming, "little")
-        return Reply(op, xfer, more, have=have, coming=fetching, peers=decode_peers(message.get("peers")))
+        claimed = _claimed(message.get("claimed"), who)
+        return Reply(
+            op, xfer, more, have=have, coming=fetching, peers=decode_peers(message.get("peers")), claimed=claimed
+        )
     raise ProtocolError(f"unknown reply op {op!r} from {who}")
+
+
+def _claimed(value: Any, who: str) -> tuple[int, ...] | None:
+    """A have reply's optional ``claimed``: [first, stop] within the plan's bounds, or [] (none left)."""
+    if value is None:
+        return None
+    if value == []:
+        return ()
+    if not (isinstance(value, list) and len(value) == 2 and all(type(n) is int for n in value)):
+        raise ProtocolError(f"a have reply's 'claimed' must be [first, stop] or [], from {who}")
+    first, stop = value
+    if not 0 <= first < stop <= MAX_MESSAGES:
+        raise ProtocolError(f"a have reply's 'claimed' {value!r} is out of range, from {who}")
+    return first, stop
 
 
 # ----------------------------------------------------------------------------- checkpoint header

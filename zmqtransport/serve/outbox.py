@@ -81,8 +81,8 @@ class Outbox:
                     level = logging.INFO if code == wire.ERR_NOT_RELAYING else logging.WARNING
                     logger.log(level, "aborting transfer of step %d to %s: %s", step, address, message)
                     self._router.send(transfer.peer, [wire.error_reply(transfer.xfer, code, message)])
-                case Have(peer, xfer, bits, messages, peers, coming):
-                    self._router.send(peer, [wire.have_reply(xfer, bits, messages, peers, coming)])
+                case Have(peer, xfer, bits, messages, peers, coming, claimed):
+                    self._router.send(peer, [wire.have_reply(xfer, bits, messages, peers, coming, claimed)])
                 case Finish(transfer, seconds):
                     if transfer.key not in undelivered:
                         self._finish(transfer, seconds)

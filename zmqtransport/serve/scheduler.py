@@ -179,6 +179,7 @@ class Have:
     messages: int
     peers: tuple[wire.Peer, ...] = ()
     coming: int = 0
+    claimed: tuple[int, ...] | None = None  # to a member's claim: what the swarm reserved for it
 
 
 @dataclass(frozen=True)
@@ -453,7 +454,8 @@ class Scheduler:
             if token is not None:
                 self.swarm.seen(token, address)
             peers = self.swarm.peers_for(token) if token is not None else None
-            return Have(peer, request.xfer, None, staged.messages, peers or ())
+            claimed = self.swarm.claim(token, request.claim, staged.messages) if token and request.claim else None
+            return Have(peer, request.xfer, None, staged.messages, peers or (), claimed=claimed)
         withdrawn = self.withdrawals.find(request.stage)
         if withdrawn is not None:  # a member whose receive ran at a disallow: what it may still ask for is kept
             return Have(peer, request.xfer, self.withdrawals.held(withdrawn, now), withdrawn.staged.messages)

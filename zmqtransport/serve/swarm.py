@@ -46,6 +46,9 @@ class Swarm:
         # The digest algorithm the verifying members chose: what they will ask the source
         # for, of messages other members fetch (see Scheduler's span fetches of device memory).
         self.algorithm: digests.Algorithm | None = None
+        # Messages reserved for some member (a bit set), and where the next reservation starts.
+        self.claimed = 0
+        self._cursor = 0
 
     def join(self, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
         """A receiver offered to relay: its token, and the members it may fetch from (the newest last).
@@ -99,6 +102,31 @@ class Swarm:
             return None
         return self._peers([member for member in self.members if member.token != token])
 
+    def claim(self, token: bytes, count: int, messages: int) -> tuple[int, ...] | None:
+        """Reserve up to ``count`` consecutive messages of ``messages`` that no member has been reserved, for
+        the member serving under ``token``: ``(first, stop)``; ``()`` when every message is reserved; None
+        when no member has that token (a claim is for members only).
+
+        Members ask the source only for what it reserved for them, until every
+        message is: the source sends each message to the swarm once, whatever
+        the members know of each other (docs/protocol.md, "Swarm"). A member that
+        leaves with reservations it did not fetch costs nothing more than today:
+        once every message is reserved, members ask the source for whatever no
+        peer holds.
+        """
+        if not self._member(token):
+            return None
+        free = ((1 << messages) - 1) & ~self.claimed
+        if not free:
+            return ()
+        after = free >> self._cursor << self._cursor
+        first = ((after or free) & -(after or free)).bit_length() - 1
+        window = (free >> first) & ((1 << count) - 1)
+        stop = first + ((window ^ (window + 1)).bit_length() - 1)
+        self.claimed |= ((1 << (stop - first)) - 1) << first
+        self._cursor = stop % messages
+        return first, stop
+
     def left(self, peer: bytes) -> None:
         """The header connection of ``peer`` closed: it no longer serves (its receive ended)."""
         self.members = [member for member in self.members if member.peer != peer]
@@ -108,6 +136,8 @@ class Swarm:
         self.members = []
         self.offers = {}
         self.algorithm = None
+        self.claimed = 0
+        self._cursor = 0
 
     def _member(self, token: bytes) -> bool:
         return any(member.token == token for member in self.members)
