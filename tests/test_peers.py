@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from zmqtransport.fetch.peers import HAVE_EVERY, MEMBERS_EVERY, Peers, start_offset
 from zmqtransport.fetch.spans import SOURCE
 
@@ -69,3 +72,46 @@ def test_a_member_named_under_more_paths_is_learned_again_with_them() -> None:
     assert (again.peer, again.at) == (1, "tcp://10.0.0.2:5?paths=10.0.1.2:5")
     peers.drop(1)
     assert peers.learn([("tcp://10.0.0.2:5?paths=10.0.1.2:5,10.0.2.2:5", A)]) == []
+
+
+def test_a_claim_makes_the_source_due_at_once() -> None:
+    peers = Peers(b"m" * 16)
+    peers.asking(SOURCE, 1, 0.0)
+    assert peers.due(0.001, {SOURCE}, claim=True) == []  # one question to the source at a time
+    assert peers.answered(1) == SOURCE
+    assert peers.due(0.001, {SOURCE}) == []  # the members question is not due for MEMBERS_EVERY
+    assert peers.due(0.001, {SOURCE}, claim=True) == [SOURCE]
+    assert peers.next_due(claim=True) == -math.inf
+    assert Peers(None).due(0.001, {SOURCE}, claim=True) == []  # not a member: no claims
+
+
+def test_questions_go_over_question_connections_and_the_sources_in_turn() -> None:
+    from types import SimpleNamespace
+
+    from zmqtransport.fetch.asking import Asking, SpanTerms
+    from zmqtransport.fetch.spans import SpanBook
+
+    sent: dict[str, list[bytes]] = {}
+
+    def connection(name: str, peer: int, questions: bool) -> Any:
+        socket = SimpleNamespace(send=lambda data, flags=0: sent.setdefault(name, []).append(data))
+        return SimpleNamespace(peer=peer, token=None if peer == SOURCE else A, questions=questions, gone="",
+                               interrupted=False, socket=socket)
+
+    streams = [connection("source-data", SOURCE, False), connection("source-q0", SOURCE, True),
+               connection("source-q1", SOURCE, True), connection("peer-data", 1, False),
+               connection("peer-q", 1, True)]
+    book = SpanBook(8, 0, 2)
+    for stream in streams:
+        book.add_stream(stream.peer, data=not stream.questions)
+    peers = Peers(OWN, [("tcp://a:1", A)])
+    peers.learn()
+    asking = Asking(streams, book, SpanTerms(1, 7, False, 1e9, None), peers, None, None)
+    asking.send(0.0)
+    first = set(sent) - {"peer-q"}
+    assert "peer-q" in sent and first in ({"source-q0"}, {"source-q1"})  # nothing where data flows
+    asking.answered_by_source(next(iter(asking._to_source_asked)))
+    peers.answered(next(x for x, p in peers._asked.items() if p == SOURCE))
+    asking.send(MEMBERS_EVERY + 0.001)
+    assert {"source-q0", "source-q1"} <= set(sent)  # the next question to the source: over its other path
+    assert "source-data" not in sent and "peer-data" not in sent

@@ -171,8 +171,9 @@ def test_interrupted_stream_hands_its_spans_on_and_works_again_once_back() -> No
 
 
 def swarm(messages: int, span: int = 4, depth: int = 2, offset: int = 0) -> tuple[SpanBook, int, int]:
-    """A book with one stream to the source (0) and one to a peer (1), both connected."""
-    b = SpanBook(messages, 1, span, depth, offset=offset)
+    """A book with one stream to the source (0) and one to a peer (1), both connected; every stream asks
+    for ``span`` messages at a time with ``depth`` spans outstanding (the defaults differ: see below)."""
+    b = SpanBook(messages, 1, span, depth, offset=offset, source_span=span, peer_depth=depth)
     peer_stream = b.add_stream(7)
     b.connected(0, True)
     b.connected(peer_stream, True)
@@ -328,18 +329,18 @@ def test_the_source_is_asked_for_what_only_a_much_slower_peer_holds() -> None:
     b, source, peer = swarm(12, span=1, depth=1)
     b.holds(7, bits(*range(6)))
 
-    def fetch(stream: int, xfer: int, now: float) -> int:
-        span = b.assign(stream, xfer, now)
+    def fetch(stream: int, xfer: int, asked: float, arrived: float) -> int:
+        span = b.assign(stream, xfer, asked)
         assert span is not None
-        b.on_data(xfer, span.first, now)
+        b.on_data(xfer, span.first, arrived)
         b.on_end(xfer)
         return span.first
 
-    # The peer delivers a message every 100 ms, the source one every 10 ms (what no peer holds).
-    assert [fetch(peer, 1, 0.1), fetch(peer, 2, 0.2)] == [0, 1]
-    assert [fetch(source, 10 + n, 0.01 * (n + 1)) for n in range(6)] == [6, 7, 8, 9, 10, 11]
+    # The peer delivers a message 100 ms after it is asked, the source 10 ms (what no peer holds).
+    assert [fetch(peer, 1, 0.0, 0.1), fetch(peer, 2, 0.1, 0.2)] == [0, 1]
+    assert [fetch(source, 10 + n, 0.01 * n, 0.01 * (n + 1)) for n in range(6)] == [6, 7, 8, 9, 10, 11]
     # Measured 10x slower than the source: what only it holds is fair game for the source now.
-    assert fetch(source, 20, 0.25) == 2
+    assert fetch(source, 20, 0.25, 0.26) == 2
 
 
 def test_a_held_message_is_asked_of_nobody_else_and_counts_once_verified() -> None:
@@ -359,3 +360,56 @@ def test_a_held_message_is_asked_of_nobody_else_and_counts_once_verified() -> No
     b.forget_peer(7)
     again = b.assign(source, 3, 0.2)
     assert again is not None and (again.first, again.stop) == (2, 4)
+
+
+def test_a_member_asks_the_source_only_for_what_it_reserved_until_none_are_left() -> None:
+    b = SpanBook(12, 2, span=4)  # two connections to the source, the defaults of a swarm
+    for stream in (0, 1):
+        b.connected(stream, True)
+    b.add_stream(7)  # a peer is known (it holds nothing yet)
+    b.claiming = True
+    assert b.wants_claim() and b.assign(0, 1, 0.0) is None  # nothing reserved yet: nothing asked
+    b.claim(6, 9)
+    assert b.asked() == bits(6, 7, 8)  # what it will ask the source for counts as coming, for the others
+    spans = [b.assign(stream, xfer, 0.0) for stream, xfer in ((0, 2), (1, 3), (0, 4), (1, 5))]
+    # One message per span (SOURCE_SPAN), at most DEPTH per connection, only what was reserved.
+    assert [(s.first, s.stop) for s in spans if s] == [(6, 7), (7, 8), (8, 9)]
+    assert b.wants_claim()
+    b.claims_over()  # every message is reserved by some member: the rules of a swarm without claims
+    assert not b.wants_claim()
+    span = b.assign(1, 6, 0.0)
+    assert span is not None and (span.first, span.stop) == (0, 1)  # what nobody holds, one message at a time
+
+
+def test_a_member_with_no_peer_yet_asks_for_whole_spans_of_what_it_reserved() -> None:
+    b = SpanBook(12, 1, span=4)
+    b.connected(0, True)
+    b.claiming = True
+    b.claim(0, 4)
+    span = b.assign(0, 1, 0.0)
+    assert span is not None and (span.first, span.stop) == (0, 4)
+
+
+def test_a_peer_has_one_span_outstanding_by_default() -> None:
+    b = SpanBook(12, 1, span=2)
+    peer = b.add_stream(7)
+    b.connected(peer, True)
+    b.holds(7, bits(*range(12)))
+    assert b.assign(peer, 1, 0.0) is not None
+    assert b.assign(peer, 2, 0.0) is None  # PEER_DEPTH: the next is asked for once this one is done
+
+
+def test_a_peer_idle_for_want_of_work_is_not_measured_slow() -> None:
+    b, _, peer = swarm(12, span=1, depth=1)
+    b.holds(7, bits(0))
+    first = b.assign(peer, 1, 0.0)
+    assert first is not None
+    b.on_data(1, 0, 0.01)
+    b.on_end(1)
+    # It holds nothing more for a second; then it does, and delivers 10 ms after being asked.
+    b.holds(7, bits(0, 1))
+    again = b.assign(peer, 2, 1.0)
+    assert again is not None
+    b.on_data(2, 1, 1.01)
+    pace = b.pace(peer)
+    assert pace is not None and pace < 0.02  # the second it had nothing to send is not its pace

@@ -107,7 +107,7 @@ def _source_connection(sent: list[bytes]) -> Any:
     """What RelayCheck uses of a connection to the source: its socket's send and its watch's state."""
     state = SimpleNamespace(established=True, lost_at=None)
     socket = SimpleNamespace(send=lambda data, flags=0: sent.append(data))
-    return SimpleNamespace(token=None, gone="", socket=socket, watch=SimpleNamespace(state=state))
+    return SimpleNamespace(token=None, gone="", questions=False, socket=socket, watch=SimpleNamespace(state=state))
 
 
 def test_a_receive_with_peers_reads_digests_ahead_and_a_refused_read_ahead_only_stops_it() -> None:
@@ -117,11 +117,12 @@ def test_a_receive_with_peers_reads_digests_ahead_and_a_refused_read_ahead_only_
     assert sent == []  # no peers yet: nothing is asked ahead (the source would hash for nothing)
     check.ask([], 0.0, ahead=True)
     requests = sorted(check.book.requests.values(), key=lambda r: r.first)
-    assert [(r.first, r.stop, r.ahead) for r in requests] == [(0, AHEAD_RUN, True), (AHEAD_RUN, 2 * AHEAD_RUN, True)]
+    runs = [(n * AHEAD_RUN, (n + 1) * AHEAD_RUN, True) for n in range(AHEAD_REQUESTS)]
+    assert [(r.first, r.stop, r.ahead) for r in requests] == runs
     assert len(sent) == AHEAD_REQUESTS
     check.answered(wire.Reply("digests", requests[0].xfer, False, seq=0, dg=b"d" * 32 * AHEAD_RUN), "the source")
     check.ask([], 0.1, ahead=True)
-    assert max(r.stop for r in check.book.requests.values()) == 3 * AHEAD_RUN  # the next run
+    assert max(r.stop for r in check.book.requests.values()) == (AHEAD_REQUESTS + 1) * AHEAD_RUN  # the next run
     # The source refuses one (it may hash device memory only as it sends it): reading ahead stops,
     # peers are still used, and what it covered is asked for as spans reach it.
     assert check.refused(requests[1].xfer) is False and not check.reads_ahead
@@ -184,8 +185,8 @@ def test_a_held_message_is_not_asked_for_twice_while_it_is_checked() -> None:
 
 
 def test_a_relay_that_sends_nothing_is_taken_over_after_the_first_quiet_bound_and_then_found_idle() -> None:
-    # Stream 0 the source, stream 1 a peer (it reported holding everything).
-    book = SpanBook(4, streams=1, span=2)
+    # Stream 0 the source, stream 1 a peer (it reported holding everything), asked for two spans at once.
+    book = SpanBook(4, streams=1, span=2, peer_depth=2)
     peer = book.add_stream(7)
     book.holds(7, 0b1111)
     book.connected(0, True)
@@ -563,3 +564,19 @@ def test_verify_all_checks_the_sources_own_bytes(
 def test_verify_option_is_checked() -> None:
     with pytest.raises(ValueError, match="verify="):
         ZMQTransport(TIMEOUT, bind_host="127.0.0.1", verify="none")
+
+
+def test_digests_are_asked_over_the_question_connection_even_before_it_is_up() -> None:
+    data_sent: list[bytes] = []
+    question_sent: list[bytes] = []
+    data = _source_connection(data_sent)
+    questions = _source_connection(question_sent)
+    questions.questions = True
+    questions.watch.state.established = False  # its handshake is not done: the request waits in it
+    check = RelayCheck([data, questions], 100, DigestTerms(1, 7, SHA, time.monotonic() + 60))
+    check.ask([], 0.0, ahead=True)
+    assert data_sent == [] and len(question_sent) == AHEAD_REQUESTS  # never behind the data
+    questions.gone = "connection lost"
+    check.source_lost(1)
+    check.ask([], 0.1, ahead=True)
+    assert data_sent  # with no question connection left, a data connection carries them

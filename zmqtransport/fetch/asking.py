@@ -37,6 +37,17 @@ logger = logging.getLogger("zmqtransport.fetch")
 # meanwhile: a slow one was cut off mid-receive. Swarm members ask the source
 # every 50 ms anyway (peers.MEMBERS_EVERY).
 KEEPALIVE_EVERY = 0.5
+# Messages a swarm member asks the source to reserve for it at a time: about what
+# its connections to the source have outstanding (spans of one message), so the
+# next reservation is back before they run dry.
+CLAIM_MESSAGES = 4
+# Seconds a question to the source may go unanswered before it is forgotten (the
+# next goes out on another of the source's connections) and, if it claimed, this
+# receive stops claiming and asks the source as a swarm without claims does. The
+# answer normally takes a round trip, but the connection it went out on may be
+# dead without a sign yet (a link down: TCP says nothing until the heartbeats run
+# out), and a member that asks the source only for what it reserved would wait.
+SOURCE_PATIENCE = 0.5
 
 
 @dataclass(frozen=True)
@@ -91,11 +102,15 @@ class Asking:
         self.duty = duty
         self.cancelled: set[int] = set()  # span fetches told to stop: what still arrives for them is dropped
         self.keepalives: set[int] = set()  # signs of life sent to the source: their answers are dropped
+        self.claims: set[int] = set()  # questions to the source that carry a claim
+        self._to_source_asked: dict[int, float] = {}  # questions to the source unanswered: when each was sent
+        self.forgotten: set[int] = set()  # questions to the source given up on: a late answer is dropped
         self._questions = 0  # questions asked so far (which connection to the source asks next)
         self._to_source = -math.inf  # when a request last went to the source
 
     def send(self, now: float) -> list[int]:
         """Everything due now; returns the streams whose connection took no more requests."""
+        self._claims_late(now)
         full = self._questions_due(now) + self._spans(now)
         if self.check is not None:
             self.check.ask(self._relayed_spans(), now, ahead=self.peers is not None and bool(self.peers.tokens))
@@ -136,18 +151,49 @@ class Asking:
             return []
         full: list[int] = []
         reachable = {stream.peer for stream in self.streams if not stream.gone and not stream.interrupted}
-        for peer in peers.due(now, reachable, self.busy()):
+        claim = self.book.wants_claim()
+        for peer in peers.due(now, reachable, self.busy(), claim):
             live = [(i, s) for i, s in enumerate(self.streams) if s.peer == peer and not s.gone]
+            # Its questions-only connections where it has them: answers there queue behind no data.
+            live = [(i, s) for i, s in live if s.questions] or live
             # The source is asked over each of its connections in turn: each comes from one of this
             # receiver's addresses, and the source believes this receiver's paths on those it sees.
             index, stream = live[self._questions % len(live)] if peer == SOURCE else live[0]
             self._questions += 1
             xfer = random.getrandbits(63)
-            if _send(stream, wire.have_request(xfer, self.terms.stage, peers.token_of(peer))):
+            count = CLAIM_MESSAGES if claim and peer == SOURCE else 0
+            if _send(stream, wire.have_request(xfer, self.terms.stage, peers.token_of(peer), count)):
                 peers.asking(peer, xfer, now)
+                if peer == SOURCE:
+                    self._to_source_asked[xfer] = now
+                if count:
+                    self.claims.add(xfer)
             else:
                 full.append(index)
         return full
+
+    def answered_by_source(self, xfer: int | None) -> bool:
+        """The source answered question ``xfer``; whether it carried a claim."""
+        self._to_source_asked.pop(xfer, None)  # type: ignore[arg-type]
+        claimed = xfer in self.claims
+        self.claims.discard(xfer)  # type: ignore[arg-type]
+        return claimed
+
+    def _claims_late(self, now: float) -> None:
+        late = [xfer for xfer, sent in self._to_source_asked.items() if now - sent > SOURCE_PATIENCE]
+        for xfer in late:
+            assert self.peers is not None  # only a receive with peers asks the source questions
+            self.peers.answered(xfer)  # forgotten: the next question goes out on another connection
+            self.forgotten.add(xfer)
+            if self.answered_by_source(xfer) and self.book.claiming:
+                self.book.claims_over()
+                logger.info("the source did not answer a claim within %.2g s: asking it without claims",
+                            SOURCE_PATIENCE)
+
+    def claim_due(self) -> bool:
+        """Whether a claim should go to the source now (it is reachable and nothing reserved is left)."""
+        reachable = any(s.peer == SOURCE and not s.gone and not s.interrupted for s in self.streams)
+        return reachable and self.book.wants_claim()
 
     def busy(self) -> set[int]:
         """The peers this receive still has work for (asked about less often)."""

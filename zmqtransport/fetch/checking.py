@@ -35,8 +35,8 @@ logger = logging.getLogger("zmqtransport.fetch")
 # (50-180 ms measured in the lab at 400 Mbit/s), and a member forwards only
 # what it has verified: without read-ahead that wait is paid at every hop.
 # The source hashes each message once per staging whatever asks for it.
-AHEAD_REQUESTS = 2  # read-ahead requests out at once (the source allows 16 digest requests per peer)
-AHEAD_RUN = 32  # messages per read-ahead request
+AHEAD_REQUESTS = 4  # read-ahead requests out at once (the source allows 16 digest requests per peer)
+AHEAD_RUN = 8  # messages per read-ahead request
 # A read-ahead unanswered this long is cancelled and reading ahead stops: a
 # source staging device memory hashes a message only as it sends it to a
 # peer, so it answers a run only once it has sent all of it (its messages'
@@ -112,11 +112,18 @@ class RelayCheck:
         return True
 
     def _source_stream(self) -> tuple[int, Connection] | None:
+        """The connection to the source to ask on: one for questions only while there is one (its answers
+        queue behind no data; a request sent before it is up waits in it), else one that is up."""
+        found = None
         for index, connection in enumerate(self.streams):
-            state = connection.watch.state
-            if connection.token is None and not connection.gone and state.established and state.lost_at is None:
+            if connection.token is not None or connection.gone:
+                continue
+            if connection.questions:
                 return index, connection
-        return None
+            state = connection.watch.state
+            if found is None and state.established and state.lost_at is None:
+                found = index, connection
+        return found
 
     def arrived(self, seq: int, digest: bytes, stream: int) -> bool | None:
         """Relayed message ``seq`` landed with this digest: True/False once the source's is known, else None."""

@@ -40,6 +40,9 @@ class Connection:
     watch: liveness.SourceWatch
     peer: int = 0
     token: bytes | None = None
+    # It carries questions only (have, members, digests, signs of life), never a span
+    # fetch, so their answers never queue behind data (docs/protocol.md, "Swarm").
+    questions: bool = False
     interrupted: bool = False  # its connection dropped; given RECONNECT_GRACE to come back
     gone: str = ""  # why it was dropped ("" while in use)
     bytes: int = 0  # landed from this connection
@@ -169,17 +172,26 @@ class Connections:
             raise ProtocolError(f"the source named a peer with malformed metadata: {exc}") from None
         peer_options = self.relay_options(address) if self.relay_options is not None else None
         configure = dealer_options(self.stall_timeout, peer_options)
-        opened = {c.path for c in self.extra if c.peer == peer}
+        opened = {c.path for c in self.extra if c.peer == peer and not c.questions}
         connections = [self._open(path, configure) for path in address.paths if path not in opened]
+        if not any(c.peer == peer and c.questions for c in self.extra):
+            connections.append(self._open(address.paths[0], configure, questions=True))
         for connection in connections:
             connection.peer, connection.token = peer, token
         return connections
 
+    def questions_to_source(self, streams: list[Connection]) -> list[Connection]:
+        """One connection for questions per path of the source that ``streams`` use: the source
+        believes a member's paths on the addresses its questions come from."""
+        paths = list(dict.fromkeys(stream.path for stream in streams))
+        return [self._open(path, self.to_source, questions=True) for path in paths]
+
     def _new(self, path: Path, configure: Configure, racing: bool = False) -> Connection:
         return open_connection(self.context, path, configure, self.stall_timeout, racing)
 
-    def _open(self, path: Path, configure: Configure) -> Connection:
+    def _open(self, path: Path, configure: Configure, questions: bool = False) -> Connection:
         connection = self._new(path, configure)
+        connection.questions = questions
         self.extra.append(connection)
         connection.socket.connect(path.endpoint)
         return connection

@@ -91,10 +91,13 @@ class Peers:
         self._known = []
         return fresh
 
-    def due(self, now: float, reachable: AbstractSet[int], busy: AbstractSet[int] = frozenset()) -> list[int]:
+    def due(
+        self, now: float, reachable: AbstractSet[int], busy: AbstractSet[int] = frozenset(), claim: bool = False
+    ) -> list[int]:
         """Who to ask now: peers (among ``reachable``) without a question outstanding whose turn it is,
-        and the source (for members) when this receive has a token to show. A ``busy`` peer (this
-        receive still has work for it) is asked only every :data:`HAVE_REFRESH`."""
+        and the source (for members) when this receive has a token to show, at once if it has a ``claim``
+        to make. A ``busy`` peer (this receive still has work for it) is asked only every
+        :data:`HAVE_REFRESH`."""
         waiting = set(self._asked.values())
         due = [
             peer
@@ -103,7 +106,7 @@ class Peers:
             and now >= self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
         ]
         asks_source = self.own_token is not None and SOURCE in reachable and SOURCE not in waiting
-        if asks_source and now >= self._next_ask.get(SOURCE, -math.inf):
+        if asks_source and (claim or now >= self._next_ask.get(SOURCE, -math.inf)):
             due.append(SOURCE)
         return due
 
@@ -130,9 +133,11 @@ class Peers:
     def dropped(self, peer: int) -> bool:
         return peer in self._dropped
 
-    def next_due(self, busy: AbstractSet[int] = frozenset()) -> float:
-        """When the next question falls due (inf: none can); ``busy`` as for :meth:`due`."""
+    def next_due(self, busy: AbstractSet[int] = frozenset(), claim: bool = False) -> float:
+        """When the next question falls due (inf: none can); ``busy`` and ``claim`` as for :meth:`due`."""
         waiting = set(self._asked.values())
+        if claim and self.own_token is not None and SOURCE not in waiting:
+            return -math.inf  # the caller claims only while the source is reachable
         times = [
             t + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
             for peer, t in self._next_ask.items()

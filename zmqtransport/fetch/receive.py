@@ -271,6 +271,8 @@ class Receive:
             offset = start_offset(len(known), messages)
         # In a swarm, spans small enough that every member gets several (a slow peer holds few back).
         span = striped.span_messages(chunk_bytes, messages if swarm else 0, len(streams) + len(known) + 2)
+        if swarm is not None:
+            streams = [*streams, *self.conns.questions_to_source(streams)]
         run = striped.StripedReceive(
             streams, inbox, terms, span, self.describe(False), swarm, self.conns.open_peer, offset
         )
@@ -341,7 +343,7 @@ def relay_offer(options: FetchOptions, source: PeerAddress) -> str | None:
 
 def record(stats: TransferStats, streams: list[Connection], duplicates: int) -> None:
     """What a striped receive's connections carried, into its statistics."""
-    stats.streams = len(streams)
+    stats.streams = sum(1 for stream in streams if not stream.questions)
     stats.messages = sum(stream.messages for stream in streams)
     stats.duplicate_messages = duplicates
     for stream in streams:

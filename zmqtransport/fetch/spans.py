@@ -55,6 +55,11 @@ SPAN_BYTES = 4 << 20
 # Spans one stream has outstanding: the next is already asked for while one
 # arrives, so a stream never idles for a round trip.
 DEPTH = 2
+# ... to a peer, one: a peer serves several receivers over its uplink, and spans
+# asked of it ahead wait there in line (measured in the two-NIC fan-out: a
+# message took 95 ms from the span fetch to its arrival with two, 66 ms with
+# one), while its holdings change under them.
+PEER_DEPTH = 1
 # A stream silent for this many of its usual gaps between messages is quiet:
 # its spans may be taken over (within the bounds below).
 QUIET_GAPS = 4.0
@@ -63,6 +68,11 @@ QUIET_FIRST = 0.5  # seconds: a stream that has delivered nothing yet
 # An idle stream takes over the rest of a busy stream's span when, at the two
 # streams' measured paces, it would deliver that rest this many times sooner.
 FASTER_BY = 2.0
+# Messages per span asked of the source by a swarm member: what it asks the
+# source for is what nobody else has yet, and the others wait for it; spans of
+# one message keep little outstanding at the source (one span per stream per
+# member), so each such message comes soon and the others learn it early.
+SOURCE_SPAN = 1
 # The peer every book starts with: the source, which holds every message.
 SOURCE = 0
 
@@ -96,17 +106,20 @@ class Span:
 @dataclass
 class _Stream:
     peer: int  # whose messages it carries (SOURCE, or another receiver)
+    data: bool = True  # False: it carries questions only and is never asked for a span
     up: bool = False  # connected (work is only handed to streams that are)
     interrupted: bool = False  # was connected, connection dropped, may come back
     lost: bool = False
     last_data: float | None = None
-    gaps: float = 0.0  # sum of the gaps between its messages
+    gaps: float = 0.0  # sum of the gaps between its messages, while it owed data
     messages: int = 0
     spans: list[Span] = field(default_factory=list)  # outstanding
 
-    def delivered(self, now: float) -> None:
+    def delivered(self, now: float, span: Span) -> None:
+        """A message of ``span`` arrived. The gap is counted from when it was asked for if that is later:
+        a stream idle for want of work (a peer holding nothing this receive needs yet) is not slow."""
         if self.last_data is not None:
-            self.gaps += now - self.last_data
+            self.gaps += now - self.silent_since(span)
             self.messages += 1
         self.last_data = now
 
@@ -182,7 +195,10 @@ class SpanBook:
 
     ``streams`` streams to the source to begin with; :meth:`add_stream` adds
     one to a peer. ``offset`` is where this receive starts its walk through
-    the plan (spread over receivers that fetch at once).
+    the plan (spread over receivers that fetch at once). ``span`` and
+    ``depth`` are what a stream asks for at once; in a swarm, a stream to the
+    source asks for ``source_span`` messages at a time and one to a peer has
+    ``peer_depth`` spans outstanding.
     """
 
     def __init__(
@@ -192,12 +208,16 @@ class SpanBook:
         span: int,
         depth: int = DEPTH,
         offset: int = 0,
+        source_span: int = SOURCE_SPAN,
+        peer_depth: int = PEER_DEPTH,
     ) -> None:
-        if messages < 0 or streams < 0 or span < 1 or depth < 1:
-            raise ValueError("a span book needs messages >= 0, streams >= 0, span >= 1, depth >= 1")
+        if messages < 0 or streams < 0 or min(span, depth, source_span, peer_depth) < 1:
+            raise ValueError("a span book needs messages >= 0, streams >= 0, and spans and depths >= 1")
         self.messages = messages
         self.span = span
         self.depth = depth
+        self.source_span = source_span
+        self.peer_depth = peer_depth
         self.offset = offset % messages if messages else 0
         # Per message: MISSING, HELD (arrived, waiting to be checked) or LANDED.
         self.landed = bytearray(messages)
@@ -209,6 +229,10 @@ class SpanBook:
         self._wanted = self._all  # not landed
         self._free = self._all  # not landed and not asked for on any stream
         self._prefix = 0
+        # A swarm member asks the source only for what the source reserved for it (claim()),
+        # until the source has reserved every message once (claims_over()).
+        self.claiming = False
+        self._claimed = 0
         for _ in range(streams):
             self.add_stream(SOURCE)
 
@@ -235,10 +259,12 @@ class SpanBook:
 
     # ------------------------------------------------------------------ events
 
-    def add_stream(self, peer: int) -> int:
-        """A new stream to ``peer`` (not yet connected); returns its index. A new peer holds nothing yet."""
+    def add_stream(self, peer: int, data: bool = True) -> int:
+        """A new stream to ``peer`` (not yet connected); returns its index. A new peer holds nothing yet.
+
+        ``data``: it may be asked for spans (False: its connection carries questions only)."""
         self._holds.held.setdefault(peer, 0)
-        self._streams.append(_Stream(peer))
+        self._streams.append(_Stream(peer, data))
         return len(self._streams) - 1
 
     def holds(self, peer: int, have: int, coming: int = 0) -> None:
@@ -246,13 +272,28 @@ class SpanBook:
         (bit sets; out-of-plan bits are ignored)."""
         self._holds.report(peer, have, coming)
 
+    def claim(self, first: int, stop: int) -> None:
+        """The source reserved messages [first, stop) for this receive: nobody else asks it for them."""
+        self._claimed |= (((1 << max(0, min(stop, self.messages) - first)) - 1) << first) & self._all
+
+    def claims_over(self) -> None:
+        """The source has reserved every message once (or reserves none): from now on this receive asks it
+        for whatever no peer as fast holds or fetches."""
+        self.claiming = False
+
+    def wants_claim(self) -> bool:
+        """Whether this receive should ask the source to reserve more: it claims, and has nothing reserved left
+        to ask for."""
+        return self.claiming and not self._claimed & self._free
+
     def has_work_for(self, peer: int) -> bool:
         """Whether ``peer`` holds messages this receive still wants and has asked nobody for."""
         return bool(self._free & self._holds.of(peer))
 
     def asked(self) -> int:
-        """The messages this receive is fetching now: wanted, and asked of some stream (a bit set)."""
-        return self._wanted & ~self._free
+        """The messages this receive is fetching now: wanted, and asked of some stream or reserved for it
+        by the source (it asks the source for them next) (a bit set)."""
+        return self._wanted & (~self._free | self._claimed)
 
     def connected(self, stream: int, up: bool) -> None:
         state = self._streams[stream]
@@ -263,7 +304,8 @@ class SpanBook:
     def assign(self, stream: int, xfer: int, now: float) -> Span | None:
         """The next span for ``stream`` to ask for under ``xfer``, or None (it is full, down, or nothing is due)."""
         state = self._streams[stream]
-        if state.lost or not state.up or len(state.spans) >= self.depth:
+        depth = self.depth if state.peer == SOURCE else self.peer_depth
+        if state.lost or not state.up or not state.data or len(state.spans) >= depth:
             return None
         held = self._holds.of(state.peer)
         choice = self._choose(stream, self._free & held, now)
@@ -291,7 +333,7 @@ class SpanBook:
         if seq != span.next:
             raise ValueError(f"data message {seq} on span {span.first}..{span.stop} where {span.next} was due")
         span.next += 1
-        self._streams[span.stream].delivered(now)
+        self._streams[span.stream].delivered(now, span)
         if self.landed[seq] != MISSING:
             return False
         self._wanted &= ~_bit(seq)
@@ -424,7 +466,7 @@ class SpanBook:
         peer SIGKILLed mid-receive must not keep the source off what only it
         held for the reconnect grace (measured: 3.0 s against 1.6 s).
         """
-        streams = [index for index, state in enumerate(self._streams) if state.peer == peer and not state.lost]
+        streams = [i for i, state in enumerate(self._streams) if state.peer == peer and state.data and not state.lost]
         serving = [index for index in streams if self._streams[index].up and not self._streams[index].quiet(now)]
         if not serving:
             return math.inf
@@ -442,15 +484,24 @@ class SpanBook:
         """
         if not candidates:
             return None
+        state = self._streams[stream]
+        if state.peer == SOURCE and self.claiming:
+            pool = candidates & self._claimed
+            if not pool:
+                return None
+            start = _lowest(pool)
+            size = self.source_span if len(self._holds.held) > 1 else self.span
+            return start, start + _run_length(pool, start, min(size, self.messages - start))
         everyone, not_slow = self._others(stream, now)
         pool = (candidates & ~everyone) or (candidates & ~not_slow)
-        if not pool and self._streams[stream].peer != SOURCE:
+        if not pool and state.peer != SOURCE:
             pool = candidates
         if not pool:
             return None
+        size = self.source_span if state.peer == SOURCE and len(self._holds.held) > 1 else self.span
         after = pool >> self.offset << self.offset
         start = _lowest(after or pool)
-        return start, start + _run_length(candidates, start, min(self.span, self.messages - start))
+        return start, start + _run_length(candidates, start, min(size, self.messages - start))
 
     def _victim(self, stream: int, held: int, now: float) -> Span | None:
         """The unfinished span of another stream this one should take over, if any (see the module docstring)."""

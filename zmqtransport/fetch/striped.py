@@ -120,6 +120,7 @@ class StripedReceive:
         for stream in streams:
             self.lanes.add(stream)
         if peers is not None:
+            self.book.claiming = peers.own_token is not None
             self._connect(peers.learn())
 
     # ------------------------------------------------------------------ the loop
@@ -148,7 +149,7 @@ class StripedReceive:
     def _wait_ms(self, now: float) -> int:
         wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
         if self.peers is not None:
-            wake = min(wake, self.peers.next_due(self.asking.busy()))
+            wake = min(wake, self.peers.next_due(self.asking.busy(), self.asking.claim_due()))
         return max(0, math.ceil((max(wake, now) - now) * 1000))
 
     # ------------------------------------------------------------------ streams
@@ -265,8 +266,8 @@ class StripedReceive:
 
     def _on_error(self, stream: Connection, reply: wire.Reply, who: str) -> None:
         xfer = reply.xfer
-        if xfer in self.asking.cancelled or xfer in self.asking.keepalives:
-            return  # a sign of life the source does not answer (an earlier release) needs no answer
+        if xfer in self.asking.cancelled or xfer in self.asking.keepalives or xfer in self.asking.forgotten:
+            return  # a sign of life the source does not answer (an earlier release), or a question given up on
         if stream.token is not None:
             # A peer is a helper: whatever it refuses, the source or another peer serves.
             stopped = reply.code == wire.ERR_NOT_RELAYING  # it stopped serving: routine at the end of its tail
@@ -279,20 +280,33 @@ class StripedReceive:
                 self.lanes.give_up_on_peers(f"the source refused the digests: [{reply.code}] {reply.text}")
             return
         if self.peers is not None and self.peers.answered(xfer) is not None:
-            return  # a question about the swarm the source does not answer: no more members to learn of
+            # A question about the swarm the source does not answer: no more members to learn of, no claims.
+            self._claim_answered(xfer, ())
+            return
         raise refusal(reply, who, self.terms.step)
 
     def _on_have(self, stream: Connection, reply: wire.Reply, who: str) -> None:
-        if reply.xfer in self.asking.keepalives and stream.token is None:
-            return  # the answer to a sign of life
+        if stream.token is None and (reply.xfer in self.asking.keepalives or reply.xfer in self.asking.forgotten):
+            return  # the answer to a sign of life, or a late one to a question given up on
         peer = self.peers.answered(reply.xfer) if self.peers is not None else None
         if peer is None or self.peers is None or peer != stream.peer:
             raise ProtocolError(f"{who}: a have reply to no question")
         if peer == SOURCE:
+            self._claim_answered(reply.xfer, reply.claimed)
             if self.check is not None:  # peers only while their bytes can be checked
                 self._connect(self.peers.learn(reply.peers))
         elif not self.peers.dropped(peer):
             self.book.holds(peer, reply.have or 0, reply.coming)
+
+    def _claim_answered(self, xfer: int | None, claimed: tuple[int, ...] | None) -> None:
+        """The source answered a question: what it reserved, if the question claimed (none: claims are over)."""
+        if not self.asking.answered_by_source(xfer):
+            return
+        if claimed:
+            first, stop = claimed
+            self.book.claim(first, stop)
+        else:  # every message is reserved, or a source that reserves none (an earlier release)
+            self.book.claims_over()
 
     def _on_data(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
         seq = reply.seq
@@ -368,7 +382,7 @@ class Lanes:
     def add(self, stream: Connection) -> None:
         self.streams.append(stream)
         self.added.append(time.monotonic())
-        self.book.add_stream(stream.peer)
+        self.book.add_stream(stream.peer, data=not stream.questions)
         self.poller.register(stream.socket, zmq.POLLIN)
         self.poller.register(stream.watch.monitor, zmq.POLLIN)
 
@@ -408,7 +422,7 @@ class Lanes:
     def check_source(self) -> None:
         """Raise when no connection to the source is left: peers serve only what they have, and
         nothing they send can be checked without the source."""
-        if any(not stream.gone for stream in self.streams if stream.peer == SOURCE):
+        if any(not stream.gone for stream in self.streams if stream.peer == SOURCE and not stream.questions):
             return
         tried = ", ".join(f"{s.endpoint} ({s.gone or 'a peer'})" for s in self.streams)
         stalled = all("stall" in s.gone for s in self.streams if s.peer == SOURCE)
