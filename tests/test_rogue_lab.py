@@ -4,7 +4,9 @@ Host 0 is the source. Host 1 asks first, so the source makes it the head of its
 relay chain, and is the rogue: a ZMQTransport whose relaying is modified as
 the benchmark's rogue is (``zmqtransport.bench.rogue``: it flips the bytes it
 forwards and forges their CRC32, answers every span fetch with an error,
-serves nothing) or an honest relay whose transport shuts down mid-transfer.
+serves nothing), an honest relay whose transport shuts down mid-transfer, or
+one that makes the source reserve it every message and fetches none of them
+(docs/protocol.md, "Swarm", claims: the others then fetch as without claims).
 Hosts 2 and 3 are honest receivers with default options (tests/test_lab.py's
 source and receivers); one of them is sent to the rogue. Each must complete
 bit-exact, well before its timeout, and the one sent to the rogue names it in
@@ -92,7 +94,7 @@ def _rogue_run(mode: str) -> tuple[str, list[tuple[int, dict[str, Any] | None, s
 
 # The rogue's error replies of other codes, its malformed messages, and a
 # device-memory receive behind it are tried on loopback (tests/test_verify.py).
-MODES = ["flip", "error", "silent", "shutdown"]
+MODES = ["flip", "error", "silent", "shutdown", "hoard"]
 
 
 @needs_lab
@@ -109,5 +111,5 @@ def test_a_rogue_relay_changes_nothing(mode: str) -> None:
     rogue_endpoint = rogue_at.split("?")[0]
     # No logging configured: Python's last-resort handler writes WARNINGs (and above) to stderr.
     named = [line for _, _, err in results for line in err.splitlines() if f"the peer at {rogue_endpoint}" in line]
-    if mode != "shutdown":  # an honest relay that goes away is routine; a rogue is named
+    if mode not in ("shutdown", "hoard"):  # an honest relay that goes away is routine; a rogue is named
         assert named, [err for _, _, err in results]

@@ -238,8 +238,9 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     rows["lab-2nic-1to3"] = Scenario(
         "lab-2nic-1to3", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(nics=2)
     )
-    # Issue 21: a rogue relay at the head of the chain, and an honest one that shuts down mid-transfer.
-    for mode in ("flip", "error", "silent", "shutdown"):
+    # Issue 21: a rogue relay at the head of the chain, and an honest one that shuts down mid-transfer;
+    # issue 22: one that makes the source reserve it every message and fetches none of them.
+    for mode in ("flip", "error", "silent", "shutdown", "hoard"):
         rows[f"lab-rogue-{mode}"] = Scenario(
             f"lab-rogue-{mode}", 64 * mib, 4 * mib, receivers=3, methods=("zmq-fresh",), reps=3, lab=LabSpec(),
             rogue=Rogue(mode), lead_s=0.2,
@@ -292,7 +293,9 @@ PRESETS = {**_with_disallow_rows(_with_relay_rows(_presets())), **LARGE}
 # The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
 RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3")
 # Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
-ROGUE_PRESETS = ("lab-1to1", "lab-1to3", "lab-rogue-flip", "lab-rogue-error", "lab-rogue-silent", "lab-rogue-shutdown")
+ROGUE_PRESETS = (
+    "lab-1to1", "lab-1to3", "lab-rogue-flip", "lab-rogue-error", "lab-rogue-silent", "lab-rogue-shutdown", "lab-rogue-hoard"
+)
 # Issue 23's rows (run only where named): ``--scenario disallow --scenario lab-disallow``.
 DISALLOW_PRESETS = ("lab-disallow", "disallow")
 LAB_PRESETS = tuple(n for n, s in PRESETS.items() if s.lab is not None and n not in DISALLOW_PRESETS)

@@ -8,7 +8,10 @@ chain (it starts first) and, in its own process only, relays as ``mode`` says:
 * ``error``: answers every span fetch with an error reply (``stalled``);
 * ``silent``: takes span fetches and sends nothing;
 * ``shutdown``: an honest relay whose transport shuts down once half of its
-  own data has landed.
+  own data has landed;
+* ``hoard``: claims every message from the source (the most a claim may
+  ask for, again and again) and fetches none of what the source reserved for
+  it; it serves what it lands honestly.
 
 Its own receive is not timed. The rows show what a rogue costs the honest
 receivers chained behind it; tests/test_rogue_lab.py checks that they
@@ -24,7 +27,7 @@ from typing import Any
 from .. import relayed, wire
 from ..serve import scheduler
 
-MODES = ("flip", "error", "silent", "shutdown")
+MODES = ("flip", "error", "silent", "shutdown", "hoard")
 
 
 def become_rogue(mode: str) -> None:
@@ -51,6 +54,11 @@ def become_rogue(mode: str) -> None:
         scheduler.Scheduler._start_relayed = refuse  # type: ignore[method-assign]
     elif mode == "silent":
         relayed.Relayed.available = lambda self, seq: False  # type: ignore[method-assign]
+    elif mode == "hoard":
+        from ..fetch import asking, spans
+
+        asking.CLAIM_MESSAGES = wire.MAX_CREDIT  # type: ignore[misc]
+        spans.SpanBook.claim = lambda self, first, stop: None  # type: ignore[method-assign]  # thrown away
     elif mode != "shutdown":
         raise ValueError(f"unknown rogue mode {mode!r}; known: {', '.join(MODES)}")
 
