@@ -294,7 +294,7 @@ PRESETS = {**_with_disallow_rows(_with_relay_rows(_presets())), **LARGE}
 RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3")
 # Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
 ROGUE_PRESETS = (
-    "lab-1to1", "lab-1to3", "lab-rogue-flip", "lab-rogue-error", "lab-rogue-silent", "lab-rogue-shutdown", "lab-rogue-hoard"
+    "lab-1to1", "lab-1to3", *(f"lab-rogue-{mode}" for mode in ("flip", "error", "silent", "shutdown", "hoard"))
 )
 # Issue 23's rows (run only where named): ``--scenario disallow --scenario lab-disallow``.
 DISALLOW_PRESETS = ("lab-disallow", "disallow")

@@ -57,7 +57,7 @@ def become_rogue(mode: str) -> None:
     elif mode == "hoard":
         from ..fetch import asking, spans
 
-        asking.CLAIM_MESSAGES = wire.MAX_CREDIT  # type: ignore[misc]
+        asking.CLAIM_MESSAGES = wire.MAX_CREDIT
         spans.SpanBook.claim = lambda self, first, stop: None  # type: ignore[method-assign]  # thrown away
     elif mode != "shutdown":
         raise ValueError(f"unknown rogue mode {mode!r}; known: {', '.join(MODES)}")

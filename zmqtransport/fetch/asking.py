@@ -174,9 +174,11 @@ class Asking:
 
     def answered_by_source(self, xfer: int | None) -> bool:
         """The source answered question ``xfer``; whether it carried a claim."""
-        self._to_source_asked.pop(xfer, None)  # type: ignore[arg-type]
+        if xfer is None:
+            return False
+        self._to_source_asked.pop(xfer, None)
         claimed = xfer in self.claims
-        self.claims.discard(xfer)  # type: ignore[arg-type]
+        self.claims.discard(xfer)
         return claimed
 
     def _claims_late(self, now: float) -> None:

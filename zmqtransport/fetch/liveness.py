@@ -144,7 +144,7 @@ class SourceWatch:
         events: list[int] = []
         # Asked first: a receive reads every connection's monitor on each pass of its loop, and
         # an empty read raises (measured: a sixth of a swarm member's CPU, seven receivers).
-        while self._monitor.getsockopt(_READY) & _POLLIN:
+        while int(self._monitor.getsockopt(_READY)) & _POLLIN:
             try:
                 frames = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
