@@ -668,7 +668,8 @@ def test_swarm_names_every_member_so_far_to_each_newcomer(net: Net) -> None:
     assert fresh.peers == () and fresh.upstream is None
 
 
-def test_a_member_asking_the_source_learns_the_others_and_a_peer_says_what_it_holds(net: Net) -> None:
+def two_members(net: Net) -> Staged:
+    """A staging with two members, a (10.0.0.1, token 1 x 16) and b (10.0.0.2, token 2 x 16): it is returned."""
     tokens = iter(bytes([n]) * 16 for n in range(1, 10))
     net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
     the_staged = staged()
@@ -676,6 +677,11 @@ def test_a_member_asking_the_source_learns_the_others_and_a_peer_says_what_it_ho
     for peer, host in ((b"a", "10.0.0.1"), (b"b", "10.0.0.2")):
         request = fetch(relay=f"tcp://{host}:1", header_only=True, verify=("sha256",))
         net.scheduler.on_request(peer, request, host, net.now)
+    return the_staged
+
+
+def test_a_member_asking_the_source_learns_the_others_and_a_peer_says_what_it_holds(net: Net) -> None:
+    the_staged = two_members(net)
     a_token = bytes([1]) * 16
     ask = wire.Request(wire.OP_HAVE, 9, stage=the_staged.stage_id, token=a_token)
     (answer,) = net.scheduler.on_request(b"a2", ask, "10.0.0.1", net.now)
@@ -904,13 +910,7 @@ def test_span_fetch_before_the_relay_registered_its_token_starts_when_it_does(ne
 
 
 def test_the_source_reserves_each_message_for_one_member_and_then_says_none_are_left(net: Net) -> None:
-    tokens = iter(bytes([n]) * 16 for n in range(1, 10))
-    net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
-    the_staged = staged()
-    net.execute(net.scheduler.stage(the_staged, net.now))
-    for peer, host in ((b"a", "10.0.0.1"), (b"b", "10.0.0.2")):
-        request = fetch(relay=f"tcp://{host}:1", header_only=True, verify=("sha256",))
-        net.scheduler.on_request(peer, request, host, net.now)
+    the_staged = two_members(net)
     a_token, b_token = bytes([1]) * 16, bytes([2]) * 16
 
     def claim(token: bytes, count: int, xfer: int) -> tuple[int, ...] | None:
