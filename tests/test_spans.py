@@ -367,15 +367,15 @@ def test_a_member_asks_the_source_only_for_what_it_reserved_until_none_are_left(
     for stream in (0, 1):
         b.connected(stream, True)
     b.add_stream(7)  # a peer is known (it holds nothing yet)
-    b.claiming = True
+    b.reserved.open = True
     assert b.wants_claim() and b.assign(0, 1, 0.0) is None  # nothing reserved yet: nothing asked
-    b.claim(6, 9)
+    b.reserved.add(6, 9)
     assert b.asked() == bits(6, 7, 8)  # what it will ask the source for counts as coming, for the others
     spans = [b.assign(stream, xfer, 0.0) for stream, xfer in ((0, 2), (1, 3), (0, 4), (1, 5))]
     # One message per span (SOURCE_SPAN), at most DEPTH per connection, only what was reserved.
     assert [(s.first, s.stop) for s in spans if s] == [(6, 7), (7, 8), (8, 9)]
     assert b.wants_claim()
-    b.claims_over()  # every message is reserved by some member: the rules of a swarm without claims
+    b.reserved.close()  # every message is reserved by some member: the rules of a swarm without claims
     assert not b.wants_claim()
     span = b.assign(1, 6, 0.0)
     assert span is not None and (span.first, span.stop) == (0, 1)  # what nobody holds, one message at a time
@@ -384,8 +384,8 @@ def test_a_member_asks_the_source_only_for_what_it_reserved_until_none_are_left(
 def test_a_member_with_no_peer_yet_asks_for_whole_spans_of_what_it_reserved() -> None:
     b = SpanBook(12, 1, span=4)
     b.connected(0, True)
-    b.claiming = True
-    b.claim(0, 4)
+    b.reserved.open = True
+    b.reserved.add(0, 4)
     span = b.assign(0, 1, 0.0)
     assert span is not None and (span.first, span.stop) == (0, 4)
 

@@ -58,7 +58,7 @@ def become_rogue(mode: str) -> None:
         from ..fetch import asking, spans
 
         asking.CLAIM_MESSAGES = wire.MAX_CREDIT
-        spans.SpanBook.claim = lambda self, first, stop: None  # type: ignore[method-assign]  # thrown away
+        spans.Reservations.add = lambda self, first, stop: None  # type: ignore[method-assign]  # thrown away
     elif mode != "shutdown":
         raise ValueError(f"unknown rogue mode {mode!r}; known: {', '.join(MODES)}")
 

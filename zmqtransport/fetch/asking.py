@@ -172,14 +172,19 @@ class Asking:
                 full.append(index)
         return full
 
-    def answered_by_source(self, xfer: int | None) -> bool:
-        """The source answered question ``xfer``; whether it carried a claim."""
+    def answered_by_source(self, xfer: int | None, claimed: tuple[int, ...] | None = ()) -> None:
+        """The source answered question ``xfer``; if it claimed, with what it reserved (``claimed``: the
+        run; empty or None: none are left, or a source that reserves none, an earlier release)."""
         if xfer is None:
-            return False
+            return
         self._to_source_asked.pop(xfer, None)
-        claimed = xfer in self.claims
+        if xfer not in self.claims:
+            return
         self.claims.discard(xfer)
-        return claimed
+        if claimed:
+            self.book.reserved.add(*claimed[:2])
+        else:
+            self.book.reserved.close()
 
     def _claims_late(self, now: float) -> None:
         late = [xfer for xfer, sent in self._to_source_asked.items() if now - sent > SOURCE_PATIENCE]
@@ -187,10 +192,10 @@ class Asking:
             assert self.peers is not None  # only a receive with peers asks the source questions
             self.peers.answered(xfer)  # forgotten: the next question goes out on another connection
             self.forgotten.add(xfer)
-            if self.answered_by_source(xfer) and self.book.claiming:
-                self.book.claims_over()
+            if xfer in self.claims and self.book.reserved.open:
                 logger.info("the source did not answer a claim within %.2g s: asking it without claims",
                             SOURCE_PATIENCE)
+            self.answered_by_source(xfer, None)
 
     def claim_due(self) -> bool:
         """Whether a claim should go to the source now (it is reachable and nothing reserved is left)."""

@@ -175,6 +175,28 @@ class _Holdings:
         self.coming.pop(peer, None)
 
 
+class Reservations:
+    """What the source reserved for this receive and it has not asked for yet (docs/protocol.md, "Swarm":
+    claims): a swarm member asks the source only for these while :attr:`open`, that is until the source
+    has reserved every message once, reserves none, or does not answer in time (:meth:`close`)."""
+
+    def __init__(self, everything: int) -> None:
+        self.everything = everything
+        self.open = False
+        self.bits = 0
+
+    def add(self, first: int, stop: int) -> None:
+        """The source reserved messages [first, stop) (clipped to the plan)."""
+        self.bits |= (((1 << max(0, stop - first)) - 1) << first) & self.everything
+
+    def close(self) -> None:
+        self.open = False
+
+    def exhausted(self, free: int) -> bool:
+        """Whether more should be claimed: reservations are open and none of ``free`` is reserved."""
+        return self.open and not self.bits & free
+
+
 def _bit(seq: int) -> int:
     return 1 << seq
 
@@ -229,10 +251,7 @@ class SpanBook:
         self._wanted = self._all  # not landed
         self._free = self._all  # not landed and not asked for on any stream
         self._prefix = 0
-        # A swarm member asks the source only for what the source reserved for it (claim()),
-        # until the source has reserved every message once (claims_over()).
-        self.claiming = False
-        self._claimed = 0
+        self.reserved = Reservations(self._all)
         for _ in range(streams):
             self.add_stream(SOURCE)
 
@@ -272,19 +291,9 @@ class SpanBook:
         (bit sets; out-of-plan bits are ignored)."""
         self._holds.report(peer, have, coming)
 
-    def claim(self, first: int, stop: int) -> None:
-        """The source reserved messages [first, stop) for this receive: nobody else asks it for them."""
-        self._claimed |= (((1 << max(0, min(stop, self.messages) - first)) - 1) << first) & self._all
-
-    def claims_over(self) -> None:
-        """The source has reserved every message once (or reserves none): from now on this receive asks it
-        for whatever no peer as fast holds or fetches."""
-        self.claiming = False
-
     def wants_claim(self) -> bool:
-        """Whether this receive should ask the source to reserve more: it claims, and has nothing reserved left
-        to ask for."""
-        return self.claiming and not self._claimed & self._free
+        """Whether this receive should ask the source to reserve it more messages."""
+        return self.reserved.exhausted(self._free)
 
     def has_work_for(self, peer: int) -> bool:
         """Whether ``peer`` holds messages this receive still wants and has asked nobody for."""
@@ -293,7 +302,7 @@ class SpanBook:
     def asked(self) -> int:
         """The messages this receive is fetching now: wanted, and asked of some stream or reserved for it
         by the source (it asks the source for them next) (a bit set)."""
-        return self._wanted & (~self._free | self._claimed)
+        return self._wanted & (~self._free | self.reserved.bits)
 
     def connected(self, stream: int, up: bool) -> None:
         state = self._streams[stream]
@@ -485,8 +494,8 @@ class SpanBook:
         if not candidates:
             return None
         state = self._streams[stream]
-        if state.peer == SOURCE and self.claiming:
-            pool = candidates & self._claimed
+        if state.peer == SOURCE and self.reserved.open:
+            pool = candidates & self.reserved.bits
             if not pool:
                 return None
             start = _lowest(pool)

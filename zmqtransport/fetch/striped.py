@@ -120,7 +120,7 @@ class StripedReceive:
         for stream in streams:
             self.lanes.add(stream)
         if peers is not None:
-            self.book.claiming = peers.own_token is not None
+            self.book.reserved.open = peers.own_token is not None
             self._connect(peers.learn())
 
     # ------------------------------------------------------------------ the loop
@@ -281,7 +281,7 @@ class StripedReceive:
             return
         if self.peers is not None and self.peers.answered(xfer) is not None:
             # A question about the swarm the source does not answer: no more members to learn of, no claims.
-            self._claim_answered(xfer, ())
+            self.asking.answered_by_source(xfer, ())
             return
         raise refusal(reply, who, self.terms.step)
 
@@ -292,21 +292,11 @@ class StripedReceive:
         if peer is None or self.peers is None or peer != stream.peer:
             raise ProtocolError(f"{who}: a have reply to no question")
         if peer == SOURCE:
-            self._claim_answered(reply.xfer, reply.claimed)
+            self.asking.answered_by_source(reply.xfer, reply.claimed)
             if self.check is not None:  # peers only while their bytes can be checked
                 self._connect(self.peers.learn(reply.peers))
         elif not self.peers.dropped(peer):
             self.book.holds(peer, reply.have or 0, reply.coming)
-
-    def _claim_answered(self, xfer: int | None, claimed: tuple[int, ...] | None) -> None:
-        """The source answered a question: what it reserved, if the question claimed (none: claims are over)."""
-        if not self.asking.answered_by_source(xfer):
-            return
-        if claimed:
-            first, stop = claimed
-            self.book.claim(first, stop)
-        else:  # every message is reserved, or a source that reserves none (an earlier release)
-            self.book.claims_over()
 
     def _on_data(self, index: int, stream: Connection, reply: wire.Reply, who: str) -> None:
         seq = reply.seq
