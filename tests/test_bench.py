@@ -368,6 +368,7 @@ def test_rogue_presets_are_chosen_together() -> None:
         ("lab-rogue-error", "error"),
         ("lab-rogue-silent", "silent"),
         ("lab-rogue-shutdown", "shutdown"),
+        ("lab-rogue-hoard", "hoard"),
     ]
 
 
