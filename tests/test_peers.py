@@ -110,7 +110,7 @@ def test_questions_go_over_question_connections_and_the_sources_in_turn() -> Non
     asking.send(0.0)
     first = set(sent) - {"peer-q"}
     assert "peer-q" in sent and first in ({"source-q0"}, {"source-q1"})  # nothing where data flows
-    asking.answered_by_source(next(iter(asking._to_source_asked)))
+    asking.answered_by_source(next(iter(asking._to_source_asked)), None)
     peers.answered(next(x for x, p in peers._asked.items() if p == SOURCE))
     asking.send(MEMBERS_EVERY + 0.001)
     assert {"source-q0", "source-q1"} <= set(sent)  # the next question to the source: over its other path

@@ -172,7 +172,7 @@ class Asking:
                 full.append(index)
         return full
 
-    def answered_by_source(self, xfer: int | None, claimed: tuple[int, ...] | None = ()) -> None:
+    def answered_by_source(self, xfer: int | None, claimed: tuple[int, ...] | None) -> None:
         """The source answered question ``xfer``; if it claimed, with what it reserved (``claimed``: the
         run; empty or None: none are left, or a source that reserves none, an earlier release)."""
         if xfer is None:

@@ -48,6 +48,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..bitsets import lowest, lowest_from, run, run_length
+
 # Bytes per span: small enough that a lost path's outstanding work is a few
 # megabytes and that streams of unequal speed end close together, large
 # enough that requests (one round trip each, pipelined) cost nothing.
@@ -187,7 +189,7 @@ class Reservations:
 
     def add(self, first: int, stop: int) -> None:
         """The source reserved messages [first, stop) (clipped to the plan)."""
-        self.bits |= (((1 << max(0, stop - first)) - 1) << first) & self.everything
+        self.bits |= run(first, stop) & self.everything
 
     def close(self) -> None:
         self.open = False
@@ -199,17 +201,6 @@ class Reservations:
 
 def _bit(seq: int) -> int:
     return 1 << seq
-
-
-def _lowest(bits: int) -> int:
-    """The lowest set bit's position (``bits`` > 0)."""
-    return (bits & -bits).bit_length() - 1
-
-
-def _run_length(bits: int, start: int, limit: int) -> int:
-    """How many set bits follow one another in ``bits`` from ``start`` on, at most ``limit``."""
-    window = (bits >> start) & ((1 << limit) - 1)
-    return ((window ^ (window + 1)).bit_length() - 1) if window else 0
 
 
 class SpanBook:
@@ -326,7 +317,7 @@ class SpanBook:
             return None
         victim.taken_at = now
         first = self._first_missing(victim.next, victim.stop)
-        stop = first + _run_length(self._wanted & held, first, victim.stop - first)
+        stop = first + run_length(self._wanted & held, first, victim.stop - first)
         return self._open(xfer, stream, first, stop, now)
 
     def on_data(self, xfer: int, seq: int, now: float, held: bool = False) -> bool | None:
@@ -494,23 +485,21 @@ class SpanBook:
         if not candidates:
             return None
         state = self._streams[stream]
+        size = self.source_span if state.peer == SOURCE and len(self._holds.held) > 1 else self.span
         if state.peer == SOURCE and self.reserved.open:
             pool = candidates & self.reserved.bits
             if not pool:
                 return None
-            start = _lowest(pool)
-            size = self.source_span if len(self._holds.held) > 1 else self.span
-            return start, start + _run_length(pool, start, min(size, self.messages - start))
+            start = lowest(pool)
+            return start, start + run_length(pool, start, min(size, self.messages - start))
         everyone, not_slow = self._others(stream, now)
         pool = (candidates & ~everyone) or (candidates & ~not_slow)
         if not pool and state.peer != SOURCE:
             pool = candidates
         if not pool:
             return None
-        size = self.source_span if state.peer == SOURCE and len(self._holds.held) > 1 else self.span
-        after = pool >> self.offset << self.offset
-        start = _lowest(after or pool)
-        return start, start + _run_length(candidates, start, min(size, self.messages - start))
+        start = lowest_from(pool, self.offset)
+        return start, start + run_length(candidates, start, min(size, self.messages - start))
 
     def _victim(self, stream: int, held: int, now: float) -> Span | None:
         """The unfinished span of another stream this one should take over, if any (see the module docstring)."""
@@ -532,7 +521,7 @@ class SpanBook:
         span = Span(xfer, stream, first, stop, first, now)
         self.spans[xfer] = span
         self._streams[stream].spans.append(span)
-        self._free &= ~(((1 << (stop - first)) - 1) << first)
+        self._free &= ~run(first, stop)
         return span
 
     def _close(self, span: Span) -> None:
@@ -541,10 +530,10 @@ class SpanBook:
         self._streams[span.stream].spans.remove(span)
         if span.finished:
             return
-        rest = (((1 << (span.stop - span.next)) - 1) << span.next) & self._wanted
+        rest = run(span.next, span.stop) & self._wanted
         for other in self.spans.values():
             if other.next < span.stop and span.next < other.stop:
-                rest &= ~(((1 << (other.stop - other.next)) - 1) << other.next)
+                rest &= ~run(other.next, other.stop)
         self._free |= rest
 
     def _first_missing(self, first: int, stop: int) -> int:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from .. import digests, wire
+from ..bitsets import lowest_from, run, run_length
 from ..net import parse_metadata
 
 # Members one swarm remembers (the oldest go first); far above any realistic
@@ -116,14 +117,12 @@ class Swarm:
         """
         if not self._member(token):
             return None
-        free = ((1 << messages) - 1) & ~self.claimed
+        free = run(0, messages) & ~self.claimed
         if not free:
             return ()
-        after = free >> self._cursor << self._cursor
-        first = ((after or free) & -(after or free)).bit_length() - 1
-        window = (free >> first) & ((1 << count) - 1)
-        stop = first + ((window ^ (window + 1)).bit_length() - 1)
-        self.claimed |= ((1 << (stop - first)) - 1) << first
+        first = lowest_from(free, self._cursor)
+        stop = first + run_length(free, first, count)
+        self.claimed |= run(first, stop)
         self._cursor = stop % messages
         return first, stop
 
