@@ -220,6 +220,7 @@ class ReceiverProcess:
         self.receiving: Receiving | None = None
         self.kill_timer_s: float | None = None  # the victim of a Kill, for a method without progress
         self.timeline: Timeline | None = None  # bytes over time (ZMQTransport, which reports progress)
+        self.meter: PeakMeter | None = None  # the first receive's, made by ready()
 
     def setup(self, method: str, metadata: str, step: int) -> None:
         """Untimed: the recovering model's own tensors (touched) and the method's receiver."""
@@ -248,6 +249,12 @@ class ReceiverProcess:
         if shut_down is not None:
             shut_down.append(getattr(self.receiving, "transport", None))
 
+    def ready(self) -> None:
+        """Untimed, before any receiver of the trial starts: the first receive's memory accounting (a
+        garbage collection and a heap trim, tens of ms of CPU with torch loaded), so that none of it
+        runs on the shared cores while other receivers are being timed."""
+        self.meter = PeakMeter()
+
     def go(self, step: int, receives: int) -> list[dict[str, Any]]:
         """Time ``receives`` receives of ``step``, the first one cold; verify each."""
         timer = None
@@ -255,14 +262,16 @@ class ReceiverProcess:
             timer = threading.Timer(self.kill_timer_s, os.kill, (os.getpid(), signal.SIGKILL))
             timer.daemon = True
             timer.start()
-        outcomes = [self._receive_once(step) for _ in range(receives)]
+        outcomes = [self._receive_once(step, last=n + 1 == receives) for n in range(receives)]
         if timer is not None:
             timer.cancel()  # it finished before its kill: it reports like any receiver
         return outcomes
 
-    def _receive_once(self, step: int) -> dict[str, Any]:
+    def _receive_once(self, step: int, last: bool) -> dict[str, Any]:
+        """One timed receive; ``last``: the process's last, after which its memory is not trimmed (the
+        others of the trial may still be receiving on the same cores, and nothing is measured after it)."""
         assert self.receiving is not None
-        meter = PeakMeter()
+        meter, self.meter = self.meter or PeakMeter(), None
         cpu_before = _cpu_seconds()
         if self.timeline is not None:
             self.timeline.start()
@@ -281,7 +290,8 @@ class ReceiverProcess:
             owned = {t.untyped_storage().data_ptr() for t in self.targets}
             in_place = sum(1 for t in tensors if t.untyped_storage().data_ptr() in owned)
         del tensors
-        release_free_memory()
+        if not last:
+            release_free_memory()
         stats = self.receiving.stats()
         return {
             "seconds": seconds,
@@ -330,6 +340,6 @@ def receiver_main(
     _enter(place)
     receiver = ReceiverProcess(scenario, knobs, place, rank, started)
     try:
-        serve_commands(conn, {"setup": receiver.setup, "go": receiver.go})
+        serve_commands(conn, {"setup": receiver.setup, "ready": receiver.ready, "go": receiver.go})
     finally:
         receiver.close()

@@ -303,6 +303,7 @@ class _Run:
                 child.reply(self.setup_timeout)
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
+            _gather(receivers, timeout, "ready")  # every receiver's untimed preparation, before any starts
             with self._cut_link(method) as cut, self._disallow_during(method, started) as disallowed:
                 has_rogue = scenario.rogue is not None
                 replies = _go(receivers, timeout, step, self.receives, scenario.kill, scenario.lead_s, has_rogue)
