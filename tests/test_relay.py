@@ -102,53 +102,6 @@ def test_three_receivers_at_once_cost_the_source_about_one_upload(make_transport
         assert sum(stats.paths.values()) == stats.bytes
 
 
-def test_a_member_asks_for_its_first_reservation_before_any_question_is_answered(
-    make_transport: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The source reserves a member's first messages with its relay order: the member's first span fetch
-    to the source asks for those at once. Here the source answers no claim question until the member has
-    asked for a span: a member that waited for an answer would ask for nothing until it gave the question
-    up (after asking.SOURCE_PATIENCE, set to 2 s here)."""
-    from zmqtransport import wire
-    from zmqtransport.fetch import asking
-    from zmqtransport.serve import scheduler as scheduling
-
-    monkeypatch.setattr(asking, "SOURCE_PATIENCE", 2.0)
-    orders: dict[bytes, tuple[float, Any]] = {}  # header connection -> (when, its relay order)
-    first_span: dict[bytes, tuple[float, tuple[int, int]]] = {}
-    on_request = scheduling.Scheduler.on_request
-
-    def spy(self: Any, peer: bytes, request: wire.Request, address: str, now: float) -> list[Any]:
-        if request.op == wire.OP_HAVE and request.claim:
-            member = next((p for p, (_, order) in orders.items() if order.token == request.token), None)
-            if member not in first_span:
-                return []  # not answered (yet): the member must not need the answer to begin
-        actions = on_request(self, peer, request, address, now)
-        if request.op == wire.OP_FETCH and request.relay is not None:
-            orders[peer] = (time.monotonic(), getattr(actions[0], "relay", None))
-        elif request.op == wire.OP_FETCH and request.span is not None and request.token is None:
-            first_span.setdefault(peer, (time.monotonic(), request.span))
-        return actions
-
-    monkeypatch.setattr(scheduling.Scheduler, "on_request", spy)
-    sender = make_transport(checksum=True)
-    receivers = [make_transport() for _ in range(2)]
-    want = state(8)
-    sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
-    results = fetch_all(receivers, sender.metadata(), 1)
-    assert all(same(got, want) for got in results), results
-    assert len(orders) == 2
-    for peer, (ordered_at, order) in orders.items():
-        assert order is not None and order.claimed, "each member's order carries its first reservation"
-        first, stop = order.claimed
-        # Its header connection carries its first span fetch, for a message of that reservation, long
-        # before an unanswered claim is given up on.
-        assert peer in first_span, "the member asked the source for no span over its header connection"
-        asked_at, span = first_span[peer]
-        assert first <= span[0] < stop
-        assert asked_at - ordered_at < asking.SOURCE_PATIENCE / 2
-
-
 def test_relay_false_fetches_from_the_source_only(make_transport: Any) -> None:
     sender = make_transport()
     receivers = [make_transport(progress=slow(0.004), relay=False) for _ in range(3)]

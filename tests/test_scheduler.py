@@ -933,53 +933,6 @@ def test_the_source_reserves_each_message_for_one_member_and_then_says_none_are_
     assert net.scheduler.swarm.claimed == 0
 
 
-def test_a_members_first_reservation_comes_with_its_relay_order(net: Net) -> None:
-    """A newcomer that claims on its header fetch is sent its first reservation with its order, so it
-    asks for data as soon as its memory is ready, not a question's round trip later."""
-    tokens = iter(bytes([n]) * 16 for n in range(1, 10))
-    net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
-    the_staged = staged()
-    net.execute(net.scheduler.stage(the_staged, net.now))
-
-    def header(peer: bytes, host: str, claim: int, verify: tuple[str, ...] = ("sha256",)) -> wire.RelayOrder:
-        request = fetch(relay=f"tcp://{host}:1", header_only=True, verify=verify, claim=claim)
-        (sent,) = net.scheduler.on_request(peer, request, host, net.now)
-        assert isinstance(sent, SendHeader) and sent.relay is not None
-        return sent.relay
-
-    assert header(b"a", "10.0.0.1", 2).claimed == (0, 2)
-    assert header(b"b", "10.0.0.2", 2).claimed == (2, 4)  # the next member's: after it, never the same
-    assert header(b"c", "10.0.0.3", 0).claimed is None  # one that claims nothing (an earlier release)
-    assert header(b"d", "10.0.0.4", 2, verify=()).claimed is None  # one that fetches from no peer
-    # Questions then reserve after what the orders took.
-    ask = wire.Request(wire.OP_HAVE, 9, stage=the_staged.stage_id, token=bytes([1]) * 16, claim=2)
-    (answer,) = net.scheduler.on_request(b"a2", ask, "10.0.0.1", net.now)
-    assert isinstance(answer, Have) and answer.claimed == (4, 6)
-    # Once every message is reserved, a newcomer's order says so: it asks the source as without claims.
-    net.scheduler.swarm.claimed = (1 << the_staged.messages) - 1
-    assert header(b"e", "10.0.0.5", 2).claimed == ()
-
-
-def test_a_claim_on_a_header_fetch_and_a_claimed_order_round_trip_and_malformed_ones_are_refused() -> None:
-    frame = wire.fetch_request(7, 1, 1000, 4, False, header_only=True, relay="tcp://10.0.0.1:5", claim=4)
-    assert wire.decode_request(frame).claim == 4
-    # Without an offer to relay there is nothing to claim for: not sent, and refused when it comes.
-    assert wire.decode_request(wire.fetch_request(7, 1, 1000, 4, False, claim=4)).claim == 0
-    plain = {"v": wire.PROTOCOL_VERSION, "op": wire.OP_FETCH, "id": 1, "step": 1, "wait_ms": 0, "credit": 1}
-    for fields in ({"claim": 4}, {"claim": -1, "relay": "tcp://a:1"}, {"claim": True, "relay": "tcp://a:1"}):
-        with pytest.raises(ProtocolError):
-            wire.decode_request(msgpack.packb({**plain, **fields}))
-    for claimed in ((3, 7), (), None):
-        order = wire.RelayOrder(b"t" * 16, claimed=claimed)
-        reply = wire.decode_reply(wire.header_envelope(7, 5, order), True, "x")
-        assert reply.relay is not None and reply.relay.claimed == claimed
-    for claimed in ([1], [5, 5], [3, 1], ["a", 2], 7, [0, wire.MAX_MESSAGES + 1]):
-        message = {"v": wire.PROTOCOL_VERSION, "op": wire.OP_HEADER, "id": 1, "stage": 5,
-                   "relay": {"token": b"t" * 16, "claimed": claimed}}
-        with pytest.raises(ProtocolError):
-            wire.decode_reply(msgpack.packb(message), True, "the source")
-
-
 def test_claims_round_trip_and_malformed_ones_are_refused() -> None:
     request = wire.decode_request(wire.have_request(7, 99, b"t" * 16, claim=4))
     assert (request.token, request.claim) == (b"t" * 16, 4)

@@ -128,8 +128,7 @@ class Request:
     verify: tuple[str, ...] = ()
     inline: bool = False
     digests_only: bool = False
-    # Messages a swarm member asks the source to reserve for it: on a have request, or on the
-    # header fetch that offers to relay (the first reservation comes with the relay order).
+    # A have request of a swarm member to the source: messages it asks the source to reserve for it.
     claim: int = 0
 
 
@@ -154,7 +153,6 @@ def decode_request(frame: bytes | memoryview) -> Request:
         span, stage = _span(message)
         relay, token = _relay_fields(message, span is not None)
         verify, inline, digests_only = _digest_fields(message, span is not None, token is not None)
-        claim = _claim(message, relay is not None, "field 'relay'")
         return Request(
             op,
             xfer,
@@ -170,7 +168,6 @@ def decode_request(frame: bytes | memoryview) -> Request:
             verify=verify,
             inline=inline,
             digests_only=digests_only,
-            claim=claim,
         )
     if op == OP_CREDIT:
         credit = _field(message, "n", int)
@@ -184,17 +181,11 @@ def decode_request(frame: bytes | memoryview) -> Request:
         token = message.get("token")
         if token is not None and (not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES):
             raise ProtocolError(f"field 'token' must be {RELAY_TOKEN_BYTES} bytes")
-        claim = _claim(message, token is not None, "field 'token'")
+        claim = message.get("claim", 0)
+        if type(claim) is not int or not 0 <= claim <= MAX_CREDIT or (claim and token is None):
+            raise ProtocolError(f"field 'claim' must be 0 to {MAX_CREDIT}, with field 'token'")
         return Request(op, xfer, stage=stage, token=token, claim=claim)
     return Request(op, xfer)
-
-
-def _claim(message: dict[str, Any], allowed: bool, needs: str) -> int:
-    """The optional ``claim`` field: 0 to :data:`MAX_CREDIT`, only beside ``needs`` (``allowed``)."""
-    claim = message.get("claim", 0)
-    if type(claim) is not int or not 0 <= claim <= MAX_CREDIT or (claim and not allowed):
-        raise ProtocolError(f"field 'claim' must be 0 to {MAX_CREDIT}, with {needs}")
-    return claim
 
 
 def _span(message: dict[str, Any]) -> tuple[tuple[int, int] | None, int | None]:
@@ -256,12 +247,7 @@ def fetch_request(
     verify: Sequence[str] = (),
     inline: bool = False,
     digests_only: bool = False,
-    claim: int = 0,
 ) -> bytes:
-    """A fetch: of the whole step, its header alone, or a span. ``claim``: with an offer to ``relay``, the
-    receiver asks the source to reserve it up to this many messages with its relay order (docs/protocol.md,
-    "Swarm": a member asks the source only for what it reserved, and its first reservation comes with its
-    header, so it need not wait a question's round trip before it asks for data)."""
     message: dict[str, Any] = {
         "v": PROTOCOL_VERSION,
         "op": OP_FETCH,
@@ -279,8 +265,6 @@ def fetch_request(
         message["stage"] = stage
     if relay is not None:
         message["relay"] = relay
-        if claim:
-            message["claim"] = claim
     if token is not None:
         message["token"] = token
     if verify:
@@ -430,25 +414,24 @@ def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
             raise ProtocolError(f"a have reply's 'bits' and 'coming' must be bytes, from {who}")
         have = None if bits is None else int.from_bytes(bits, "little")
         fetching = int.from_bytes(coming, "little")
-        claimed = _claimed(message.get("claimed"), f"a have reply from {who}")
+        claimed = _claimed(message.get("claimed"), who)
         return Reply(
             op, xfer, more, have=have, coming=fetching, peers=decode_peers(message.get("peers")), claimed=claimed
         )
     raise ProtocolError(f"unknown reply op {op!r} from {who}")
 
 
-def _claimed(value: Any, where: str) -> tuple[int, ...] | None:
-    """An optional ``claimed`` (of a have reply or a relay order, ``where``): [first, stop] within the
-    plan's bounds, or [] (none left)."""
+def _claimed(value: Any, who: str) -> tuple[int, ...] | None:
+    """A have reply's optional ``claimed``: [first, stop] within the plan's bounds, or [] (none left)."""
     if value is None:
         return None
     if value == []:
         return ()
     if not (isinstance(value, list) and len(value) == 2 and all(type(n) is int for n in value)):
-        raise ProtocolError(f"'claimed' must be [first, stop] or [], in {where}")
+        raise ProtocolError(f"a have reply's 'claimed' must be [first, stop] or [], from {who}")
     first, stop = value
     if not 0 <= first < stop <= MAX_MESSAGES:
-        raise ProtocolError(f"'claimed' {value!r} is out of range, in {where}")
+        raise ProtocolError(f"a have reply's 'claimed' {value!r} is out of range, from {who}")
     return first, stop
 
 
@@ -508,8 +491,6 @@ def header_envelope(
             order["from_token"] = relay.upstream_token
         if relay.peers:
             order["peers"] = [[at, token] for at, token in relay.peers]
-        if relay.claimed is not None:
-            order["claimed"] = list(relay.claimed)
         message["relay"] = order
     return pack(message)
 
@@ -531,8 +512,6 @@ class RelayOrder:
     upstream: str | None = None  # fetch spans from this relay (its metadata) ...
     upstream_token: bytes | None = None  # ... showing this token
     peers: tuple[Peer, ...] = ()
-    # To a fetch that claimed: the messages reserved for it, (first, stop), or () when none are left.
-    claimed: tuple[int, ...] | None = None
 
 
 def decode_peers(value: Any) -> tuple[Peer, ...]:
@@ -564,14 +543,13 @@ def decode_relay_order(order: Any) -> RelayOrder | None:
     if not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES:
         raise ProtocolError(f"relay token must be {RELAY_TOKEN_BYTES} bytes")
     peers = decode_peers(order.get("peers"))
-    claimed = _claimed(order.get("claimed"), "a relay order")
     if upstream is None and upstream_token is None:
-        return RelayOrder(token, peers=peers, claimed=claimed)
+        return RelayOrder(token, peers=peers)
     if not isinstance(upstream, str) or not 0 < len(upstream) <= MAX_METADATA_CHARS:
         raise ProtocolError("relay field 'from' must be a metadata string")
     if not isinstance(upstream_token, bytes) or len(upstream_token) != RELAY_TOKEN_BYTES:
         raise ProtocolError(f"relay field 'from_token' must be {RELAY_TOKEN_BYTES} bytes")
-    return RelayOrder(token, upstream, upstream_token, peers, claimed)
+    return RelayOrder(token, upstream, upstream_token, peers)
 
 
 def decode_header(message: dict[str, Any]) -> Header:

@@ -181,11 +181,6 @@ class Asking:
         if xfer not in self.claims:
             return
         self.claims.discard(xfer)
-        self.reserved(claimed)
-
-    def reserved(self, claimed: tuple[int, ...] | None) -> None:
-        """What the source reserved for this receive: ``(first, stop)``; empty or None: none are left, or
-        a source that reserves none (reservations end: it asks the source as a swarm without claims)."""
         if claimed:
             self.book.reserved.add(*claimed[:2])
         else:

@@ -31,7 +31,7 @@ from ..gcpause import paused_gc
 from ..net import PeerAddress, is_local_address
 from ..stats import TransferStats
 from . import landing, liveness, striped
-from .asking import CLAIM_MESSAGES, SpanTerms
+from .asking import SpanTerms
 from .connection import Configure, Connection, Connections
 from .inbox import Inbox
 from .landed import Landed, build, land
@@ -152,7 +152,6 @@ class Receive:
             relay=offer,
             verify=digests.offered(),
             inline=inline,
-            claim=CLAIM_MESSAGES if offer is not None else 0,
         )
         self._send(request, "its request")
 
@@ -274,9 +273,8 @@ class Receive:
         span = striped.span_messages(chunk_bytes, messages if swarm else 0, len(streams) + len(known) + 2)
         if swarm is not None:
             streams = [*streams, *self.conns.questions_to_source(streams)]
-        claimed = self.order.claimed if swarm is not None and self.order is not None else None
         run = striped.StripedReceive(
-            streams, inbox, terms, span, self.describe(False), swarm, self.conns.open_peer, offset, claimed
+            streams, inbox, terms, span, self.describe(False), swarm, self.conns.open_peer, offset
         )
         try:
             run.run()

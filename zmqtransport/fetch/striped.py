@@ -88,8 +88,7 @@ class StripedReceive:
 
     ``who`` names the source in errors (its rank, where the caller gave one).
     In a swarm, ``peers`` says who the other members are and ``open_peer``
-    connects to one; ``offset`` is where this receive starts its walk;
-    ``claimed`` is what the source reserved for it with its relay order.
+    connects to one; ``offset`` is where this receive starts its walk.
     """
 
     def __init__(
@@ -102,7 +101,6 @@ class StripedReceive:
         peers: Peers | None = None,
         open_peer: OpenPeer | None = None,
         offset: int = 0,
-        claimed: tuple[int, ...] | None = None,
     ) -> None:
         self.streams: list[Connection] = []  # a stream's index is its place here (and in the span book)
         self.inbox = inbox
@@ -124,8 +122,6 @@ class StripedReceive:
             self.lanes.add(stream)
         if peers is not None:
             self.book.reserved.open = peers.own_token is not None
-            if claimed is not None and self.book.reserved.open:
-                self.asking.reserved(claimed)
             self._connect(peers.learn())
 
     # ------------------------------------------------------------------ the loop

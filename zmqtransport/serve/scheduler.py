@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .. import digests, wire
 from .. import relayed as shared_relaying
@@ -427,10 +427,6 @@ class Scheduler:
         order = None
         if request.relay is not None and (self.relay_loopback or not self.is_local(address)):
             order = self.swarm.offer(peer, request.relay, address, self.make_token(), algorithm)
-            if order is not None and algorithm is not None and request.claim:
-                # Its first reservation with its order: it asks for data as soon as its memory is ready.
-                claimed = self.swarm.claim(order.token, request.claim, staged.messages)
-                order = replace(order, claimed=claimed)
         # A receiver sent to a relay gets the header alone: it asks the relay for the data.
         header_only = request.header_only or (order is not None and order.upstream is not None)
         digest = algorithm.name if algorithm is not None else None
