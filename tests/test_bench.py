@@ -541,3 +541,46 @@ def test_without_matplotlib_the_picture_is_a_table(tmp_path: Path, monkeypatch: 
     drawn, what = plot_fanout([_mixed_result()], str(tmp_path / "x.png"))
     assert not drawn and "zmqtransport[plot]" in what and not (tmp_path / "x.png").exists()
     assert plot_fanout([], str(tmp_path / "y.png"))[0] is False
+
+
+def test_every_receiver_is_ready_before_any_receive_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver's untimed preparation (a garbage collection and a heap trim) must not run on the shared
+    cores while another receiver of the trial is being timed: the driver has every receiver answer
+    "ready" before it tells any to "go"."""
+    from zmqtransport.bench import runner
+
+    log: list[tuple[str, str]] = []
+    outcome = {"seconds": 1.0, "rss": 0, "in_place": 0, "resettable": True, "cpu": 0.1, "paths": {},
+               "duplicates": 0, "timeline": []}
+
+    class FakeChild:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.last = ""
+
+        def send(self, *command: Any) -> None:
+            self.last = command[0]
+            log.append((self.name, command[0]))
+
+        def reply(self, timeout: float) -> Any:
+            answers = {"setup": {"zmq-fresh": "tcp://x:1"} if self.name == "bench-sender" else None,
+                       "stage": 0.0, "go": [outcome], "finish": 0}
+            return answers.get(self.last)
+
+        def call(self, timeout: float, *command: Any) -> Any:
+            self.send(*command)
+            return self.reply(timeout)
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(runner, "_spawn", lambda name, *args: FakeChild(name))
+    scenario = replace(bench.config.PRESETS["fanout"], methods=("zmq-fresh",))
+    run = runner._Run(scenario, bench.config.Knobs(), runner.Loopback())
+    run.start()
+    run.trial("zmq-fresh", 1, 0)
+    commands = [command for _, command in log]
+    readies = [i for i, (name, command) in enumerate(log) if command == "ready"]
+    goes = [i for i, (name, command) in enumerate(log) if command == "go"]
+    assert len(readies) == len(goes) == scenario.receivers, commands
+    assert max(readies) < min(goes), commands
