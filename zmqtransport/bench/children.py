@@ -30,7 +30,6 @@ from .payload import (
     check_every_element,
     make_tensors,
     memcpy_seconds,
-    release_free_memory,
     stamp,
 )
 from .rogue import become_rogue, shutdown_halfway
@@ -262,14 +261,14 @@ class ReceiverProcess:
             timer = threading.Timer(self.kill_timer_s, os.kill, (os.getpid(), signal.SIGKILL))
             timer.daemon = True
             timer.start()
-        outcomes = [self._receive_once(step, last=n + 1 == receives) for n in range(receives)]
+        # No trim after a receive: the next one's PeakMeter trims first, and after the last the others of
+        # the trial may still be receiving on the same cores, while nothing more is measured here.
+        outcomes = [self._receive_once(step) for _ in range(receives)]
         if timer is not None:
             timer.cancel()  # it finished before its kill: it reports like any receiver
         return outcomes
 
-    def _receive_once(self, step: int, last: bool) -> dict[str, Any]:
-        """One timed receive; ``last``: the process's last, after which its memory is not trimmed (the
-        others of the trial may still be receiving on the same cores, and nothing is measured after it)."""
+    def _receive_once(self, step: int) -> dict[str, Any]:
         assert self.receiving is not None
         meter, self.meter = self.meter or PeakMeter(), None
         cpu_before = _cpu_seconds()
@@ -290,8 +289,6 @@ class ReceiverProcess:
             owned = {t.untyped_storage().data_ptr() for t in self.targets}
             in_place = sum(1 for t in tensors if t.untyped_storage().data_ptr() in owned)
         del tensors
-        if not last:
-            release_free_memory()
         stats = self.receiving.stats()
         return {
             "seconds": seconds,
@@ -323,7 +320,6 @@ class ReceiverProcess:
             owned = {t.untyped_storage().data_ptr() for t in self.targets}
             in_place = sum(1 for t in tensors if t.untyped_storage().data_ptr() in owned)
         del tensors
-        release_free_memory()
         stats = {} if error else self.receiving.stats()
         outcome = {"seconds": seconds, "cpu": cpu, "rss": growth, "in_place": in_place, "resettable": meter.resettable}
         timeline = self.timeline.sampled() if self.timeline is not None else []
