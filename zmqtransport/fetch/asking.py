@@ -150,9 +150,8 @@ class Asking:
         if peers is None:
             return []
         full: list[int] = []
-        reachable = {stream.peer for stream in self.streams if not stream.gone and not stream.interrupted}
         claim = self.book.wants_claim()
-        for peer in peers.due(now, reachable, self.busy(), claim):
+        for peer in peers.due(now, self._reachable(), self.busy(), claim):
             live = [(i, s) for i, s in enumerate(self.streams) if s.peer == peer and not s.gone]
             # Its questions-only connections where it has them: answers there queue behind no data.
             live = [(i, s) for i, s in live if s.questions] or live
@@ -199,8 +198,11 @@ class Asking:
 
     def claim_due(self) -> bool:
         """Whether a claim should go to the source now (it is reachable and nothing reserved is left)."""
-        reachable = any(s.peer == SOURCE and not s.gone and not s.interrupted for s in self.streams)
-        return reachable and self.book.wants_claim()
+        return SOURCE in self._reachable() and self.book.wants_claim()
+
+    def _reachable(self) -> set[int]:
+        """The peers (the source included) with a connection in use that is not down."""
+        return {stream.peer for stream in self.streams if not stream.gone and not stream.interrupted}
 
     def busy(self) -> set[int]:
         """The peers this receive still has work for (asked about less often)."""
