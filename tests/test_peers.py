@@ -36,6 +36,21 @@ def test_each_peer_is_asked_every_so_often_with_one_question_outstanding() -> No
     assert peers.dropped(1) and 1 not in peers.due(10.0, {SOURCE, 1, 2})
 
 
+def test_a_peer_that_cannot_be_asked_has_no_turn() -> None:
+    # The receiving loop waits until next_due: a turn that due() would not take (the peer's
+    # connection down, the peer dropped, a question outstanding) made it pass again without waiting.
+    peers = Peers(OWN, [("tcp://a:1", A), ("tcp://b:1", B)])
+    peers.learn()
+    assert peers.due(0.0, {SOURCE}) == [SOURCE] and peers.next_due({SOURCE}) == -math.inf
+    peers.asking(SOURCE, 1, 0.0)
+    assert peers.due(0.0, {SOURCE}) == [] and peers.next_due({SOURCE}) == math.inf  # 1 and 2 are down
+    assert peers.next_due({SOURCE, 1}) == -math.inf  # 1 is back: due at once
+    peers.drop(1)
+    assert peers.next_due({SOURCE, 1}) == math.inf
+    assert peers.answered(1) == SOURCE
+    assert peers.next_due({SOURCE}) == MEMBERS_EVERY
+
+
 def test_a_receive_without_a_token_never_asks_the_source_for_members() -> None:
     peers = Peers(None, [("tcp://c:1", C)])
     peers.learn()
@@ -59,7 +74,7 @@ def test_a_peer_with_work_left_is_asked_less_often() -> None:
         peers.asking(peer, xfer, 0.0)
         peers.answered(xfer)
     assert peers.due(HAVE_EVERY, {1, 2}, busy={1}) == [2]
-    assert peers.next_due(busy={1, 2}) == HAVE_REFRESH
+    assert peers.next_due({1, 2}, busy={1, 2}) == HAVE_REFRESH
     assert peers.due(HAVE_REFRESH, {1, 2}, busy={1}) == [1, 2]
 
 
@@ -81,7 +96,8 @@ def test_a_claim_makes_the_source_due_at_once() -> None:
     assert peers.answered(1) == SOURCE
     assert peers.due(0.001, {SOURCE}) == []  # the members question is not due for MEMBERS_EVERY
     assert peers.due(0.001, {SOURCE}, claim=True) == [SOURCE]
-    assert peers.next_due(claim=True) == -math.inf
+    assert peers.next_due({SOURCE}, claim=True) == -math.inf
+    assert peers.next_due(set(), claim=True) == math.inf  # the source unreachable: no claim can go
     assert Peers(None).due(0.001, {SOURCE}, claim=True) == []  # not a member: no claims
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -95,7 +96,7 @@ def test_quiet_stream_is_taken_over_only_when_nothing_is_queued_and_after_its_pa
     quiet = b.quiet_after(0)
     assert quiet == pytest.approx(max(QUIET_MIN, 4 * 0.01))
     assert b.assign(1, 3, 0.02 + quiet / 2) is None  # not quiet long enough
-    assert b.next_takeover_at() == pytest.approx(0.02 + quiet)
+    assert b.next_takeover_at(0.02 + quiet / 2) == pytest.approx(0.02 + quiet)
     rest = b.assign(1, 3, 0.02 + quiet + 0.001)
     assert rest is not None and (rest.first, rest.stop) == (2, 4)
     assert b.assign(1, 4, 10.0) is None  # taken over once only (and depth 1)
@@ -103,6 +104,22 @@ def test_quiet_stream_is_taken_over_only_when_nothing_is_queued_and_after_its_pa
     deliver(b, 3, 0.1)
     assert b.on_end(3) == [b_span for b_span in [slow]]  # the original is pointless now: cancel it
     assert b.complete and 1 not in b.spans
+
+
+def test_a_quiet_span_nobody_can_take_over_is_not_due_again_and_again() -> None:
+    # The receiving loop waits until next_takeover_at: a span already quiet that no stream can take
+    # over yet (every other stream busy) must not count, or the loop passes again without waiting.
+    b = book(messages=16, streams=2, span=4, depth=1)
+    quiet_one, busy = b.assign(0, 1, 0.0), b.assign(1, 2, 0.0)
+    assert quiet_one is not None and busy is not None
+    assert b.next_takeover_at(0.0) == pytest.approx(QUIET_FIRST)  # neither has delivered yet
+    assert b.on_data(2, busy.first, 0.1) is True  # stream 1 delivers, stream 0 stays silent
+    later = QUIET_FIRST + 0.05
+    assert b.assign(1, 3, later) is None  # stream 1 has no room (depth 1): nothing is taken over
+    assert b.next_takeover_at(later) > later  # stream 1's own span: quiet only later; stream 0's: not counted
+    assert b.next_takeover_at(later) == pytest.approx(0.1 + QUIET_FIRST)
+    b.lost(1)
+    assert b.next_takeover_at(later) == math.inf
 
 
 def test_duplicates_are_dropped_and_a_taken_over_span_that_finishes_first_cancels_the_copy() -> None:

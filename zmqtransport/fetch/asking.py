@@ -151,7 +151,7 @@ class Asking:
             return []
         full: list[int] = []
         claim = self.book.wants_claim()
-        for peer in peers.due(now, self._reachable(), self.busy(), claim):
+        for peer in peers.due(now, self.reachable(), self.busy(), claim):
             live = [(i, s) for i, s in enumerate(self.streams) if s.peer == peer and not s.gone]
             # Its questions-only connections where it has them: answers there queue behind no data.
             live = [(i, s) for i, s in live if s.questions] or live
@@ -198,9 +198,9 @@ class Asking:
 
     def claim_due(self) -> bool:
         """Whether a claim should go to the source now (it is reachable and nothing reserved is left)."""
-        return SOURCE in self._reachable() and self.book.wants_claim()
+        return SOURCE in self.reachable() and self.book.wants_claim()
 
-    def _reachable(self) -> set[int]:
+    def reachable(self) -> set[int]:
         """The peers (the source included) with a connection in use that is not down."""
         return {stream.peer for stream in self.streams if not stream.gone and not stream.interrupted}
 

@@ -98,17 +98,35 @@ class Peers:
         and the source (for members) when this receive has a token to show, at once if it has a ``claim``
         to make. A ``busy`` peer (this receive still has work for it) is asked only every
         :data:`HAVE_REFRESH`."""
-        waiting = set(self._asked.values())
-        due = [
-            peer
-            for peer in sorted(reachable)
-            if peer != SOURCE and peer not in self._dropped and peer not in waiting
-            and now >= self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
-        ]
-        asks_source = self.own_token is not None and SOURCE in reachable and SOURCE not in waiting
-        if asks_source and (claim or now >= self._next_ask.get(SOURCE, -math.inf)):
+        turns = self._turns(reachable, busy, claim)
+        due = sorted(peer for peer, turn in turns.items() if peer != SOURCE and now >= turn)
+        if SOURCE in turns and now >= turns[SOURCE]:
             due.append(SOURCE)
         return due
+
+    def next_due(
+        self, reachable: AbstractSet[int], busy: AbstractSet[int] = frozenset(), claim: bool = False
+    ) -> float:
+        """When the next question falls due (inf: none can); arguments as for :meth:`due`, whose choice
+        it must match: a turn counted here that :meth:`due` would not take makes the caller's loop spin."""
+        return min(self._turns(reachable, busy, claim).values(), default=math.inf)
+
+    def _turns(self, reachable: AbstractSet[int], busy: AbstractSet[int], claim: bool) -> dict[int, float]:
+        """When each peer that may be asked is next due: among ``reachable``, not dropped, with no question
+        outstanding; the source only when this receive has a token to show (at once with a ``claim``).
+        A peer that is not reachable (its connection down, or given up on) has no turn: it is asked
+        again once it is back."""
+        waiting = set(self._asked.values())
+        turns: dict[int, float] = {}
+        for peer in reachable:
+            if peer in waiting or peer in self._dropped:
+                continue
+            if peer == SOURCE:
+                if self.own_token is not None:
+                    turns[SOURCE] = -math.inf if claim else self._next_ask.get(SOURCE, -math.inf)
+                continue
+            turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
+        return turns
 
     def asking(self, peer: int, xfer: int, now: float) -> None:
         self._asked[xfer] = peer
@@ -133,14 +151,3 @@ class Peers:
     def dropped(self, peer: int) -> bool:
         return peer in self._dropped
 
-    def next_due(self, busy: AbstractSet[int] = frozenset(), claim: bool = False) -> float:
-        """When the next question falls due (inf: none can); ``busy`` and ``claim`` as for :meth:`due`."""
-        waiting = set(self._asked.values())
-        if claim and self.own_token is not None and SOURCE not in waiting:
-            return -math.inf  # the caller claims only while the source is reachable
-        times = [
-            t + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
-            for peer, t in self._next_ask.items()
-            if peer not in waiting and peer not in self._dropped
-        ]
-        return min(times, default=math.inf)

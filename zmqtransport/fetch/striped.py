@@ -149,9 +149,10 @@ class StripedReceive:
             self.asking.cancel_all()
 
     def _wait_ms(self, now: float) -> int:
-        wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at())
+        wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at(now))
         if self.peers is not None:
-            wake = min(wake, self.peers.next_due(self.asking.busy(), self.asking.claim_due()))
+            asking = self.asking
+            wake = min(wake, self.peers.next_due(asking.reachable(), asking.busy(), asking.claim_due()))
         return max(0, math.ceil((max(wake, now) - now) * 1000))
 
     # ------------------------------------------------------------------ streams
