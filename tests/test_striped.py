@@ -287,3 +287,31 @@ def test_every_connection_dropping_at_once_and_coming_back_resumes(make_transpor
     got = receiver.recv_checkpoint(0, f"tcp://{LOOPBACK}:{relay.port}", 1, TIMEOUT)
     assert relay.blipped.is_set()
     assert same(got, want)
+
+
+def test_a_frozen_path_does_not_make_the_receiving_loop_spin(
+    make_transport: Any, relays: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The frozen path's span goes quiet while the live path is busy with its own: nothing can take it
+    # over until the live path has room, which a message arriving tells. Meanwhile the loop must wait
+    # on its sockets; it used to pass again at once, as long as the live path stayed busy.
+    from zmqtransport.fetch import striped
+
+    waits: list[int] = []
+    wait_ms = striped.StripedReceive._wait_ms
+
+    def recorded(self: striped.StripedReceive, now: float) -> int:
+        waits.append(wait_ms(self, now))
+        return waits[-1]
+
+    monkeypatch.setattr(striped.StripedReceive, "_wait_ms", recorded)
+    sender = make_transport(checksum=True)
+    relay = relays((LOOPBACK, port_of(sender)), after=6 << 20, how="freeze")
+    receiver = make_transport(stall_timeout=None, timeout=timedelta(seconds=20))
+    want = state(96, seed=3)
+    sender.send_checkpoint([1], 1, want, TIMEOUT)
+    metadata = f"tcp://{LOOPBACK}:{relay.port}?paths={LOOPBACK}:{port_of(sender)}"
+    got = receiver.recv_checkpoint(0, metadata, 1, timedelta(seconds=20))
+    assert relay.failed.is_set() and same(got, want)
+    zero = waits.count(0)
+    assert zero <= max(20, len(waits) // 4), f"{zero} of {len(waits)} passes of the loop did not wait"
