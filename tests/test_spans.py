@@ -430,3 +430,24 @@ def test_a_peer_idle_for_want_of_work_is_not_measured_slow() -> None:
     b.on_data(2, 1, 1.01)
     pace = b.pace(peer)
     assert pace is not None and pace < 0.02  # the second it had nothing to send is not its pace
+
+
+def test_a_peers_first_message_may_take_as_long_as_the_sources_do_here() -> None:
+    # Seven members on slow links: a message from the source took 0.6 s here, and a peer serving six
+    # others takes as long for its first copy. A fixed bound (QUIET_FIRST) called such a peer quiet:
+    # the source was asked for what it held, or it was dropped, and the source sent the state two to
+    # four times over.
+    b, source, peer = swarm(4, span=1, depth=1)
+    assert b.quiet_after(peer) == QUIET_FIRST  # nothing known yet
+    first = b.assign(source, 1, 0.0)
+    assert first is not None and first.first == 0
+    assert b.on_data(1, 0, 0.6) is True
+    b.on_end(1)
+    assert b.quiet_after(peer) == pytest.approx(4 * 0.6)  # QUIET_GAPS x the source's message here
+    b.holds(7, bits(1, 2, 3))
+    asked = b.assign(peer, 2, 0.7)
+    assert asked is not None and (asked.first, asked.stop) == (1, 2)
+    late = 0.7 + 1.0  # twice QUIET_FIRST without its first copy: a slow peer, not a dead one
+    assert b.assign(source, 3, late) is None  # the source is not asked for what the peer holds
+    assert b.next_takeover_at(late) == pytest.approx(0.7 + 4 * 0.6)
+    assert b.assign(source, 4, 0.7 + 4 * 0.6 + 0.01) is not None  # silent that long, it is quiet

@@ -66,7 +66,15 @@ PEER_DEPTH = 1
 # its spans may be taken over (within the bounds below).
 QUIET_GAPS = 4.0
 QUIET_MIN = 0.05  # seconds: never sooner (scheduling noise on a busy host)
-QUIET_FIRST = 0.5  # seconds: a stream that has delivered nothing yet
+# A stream that has delivered nothing yet (or one message: no gap to measure)
+# is quiet after QUIET_FIRST seconds, or after QUIET_GAPS times the time a
+# message takes from the source here when that is longer (the source's measured
+# pace, or before that the wait for its first message). A peer's first message
+# comes no sooner than the source's: on slow links shared by many members
+# (seven at 100 Mbit/s in the lab), a peer serving six others takes 0.5 s for
+# each copy, and a fixed bound dropped every peer in turn and left the source
+# to send the state two to four times.
+QUIET_FIRST = 0.5
 # An idle stream takes over the rest of a busy stream's span when, at the two
 # streams' measured paces, it would deliver that rest this many times sooner.
 FASTER_BY = 2.0
@@ -115,6 +123,7 @@ class _Stream:
     last_data: float | None = None
     gaps: float = 0.0  # sum of the gaps between its messages, while it owed data
     messages: int = 0
+    first_wait: float | None = None  # seconds from the request to its first message
     spans: list[Span] = field(default_factory=list)  # outstanding
 
     def delivered(self, now: float, span: Span) -> None:
@@ -123,30 +132,38 @@ class _Stream:
         if self.last_data is not None:
             self.gaps += now - self.silent_since(span)
             self.messages += 1
+        else:
+            self.first_wait = now - span.opened
         self.last_data = now
 
     def pace(self) -> float | None:
         """Seconds per message on average (None: not measured yet)."""
         return self.gaps / self.messages if self.messages else None
 
-    def quiet_after(self) -> float:
-        """Seconds of silence after which its spans may be taken over."""
-        return QUIET_FIRST if not self.messages else max(QUIET_MIN, QUIET_GAPS * self.gaps / self.messages)
+    def message_time(self) -> float:
+        """Seconds a message takes on it: its pace, or the wait for its first message (0: not known)."""
+        return self.pace() or self.first_wait or 0.0
+
+    def quiet_after(self, source_time: float = 0.0) -> float:
+        """Seconds of silence after which its spans may be taken over (``source_time``: see QUIET_FIRST)."""
+        if not self.messages:
+            return max(QUIET_FIRST, QUIET_GAPS * source_time)
+        return max(QUIET_MIN, QUIET_GAPS * self.gaps / self.messages)
 
     def silent_since(self, span: Span) -> float:
         """Since when it has delivered nothing for ``span`` (counted from when the span was asked for)."""
         return span.opened if self.last_data is None else max(self.last_data, span.opened)
 
-    def quiet(self, now: float) -> bool:
+    def quiet(self, now: float, source_time: float = 0.0) -> bool:
         """Whether it owes data and has sent nothing for longer than its pace explains."""
         owed = [span for span in self.spans if not span.finished]
-        return any(now - self.silent_since(span) >= self.quiet_after() for span in owed)
+        return any(now - self.silent_since(span) >= self.quiet_after(source_time) for span in owed)
 
-    def takeover_score(self, span: Span, rest: int, mine: float | None, now: float) -> float:
+    def takeover_score(self, span: Span, rest: int, mine: float | None, now: float, source_time: float) -> float:
         """How much taking over the ``rest`` messages of its ``span`` is worth to a stream of pace ``mine``:
         its silence when it is quiet, the time the rest would still take when it is much slower (0: not)."""
         silence = now - self.silent_since(span)
-        if silence >= self.quiet_after():
+        if silence >= self.quiet_after(source_time):
             return silence
         theirs = self.pace()
         # A pace of 0 (messages drained from the socket at once) measures nothing.
@@ -409,7 +426,12 @@ class SpanBook:
 
     def quiet_after(self, stream: int) -> float:
         """Seconds of silence after which ``stream``'s spans may be taken over."""
-        return self._streams[stream].quiet_after()
+        return self._streams[stream].quiet_after(self._source_time())
+
+    def _source_time(self) -> float:
+        """Seconds a message takes from the source here: the slowest of its live paths (0: none known)."""
+        times = [s.message_time() for s in self._streams if s.peer == SOURCE and s.data and not s.lost]
+        return max(times, default=0.0)
 
     def pace(self, stream: int) -> float | None:
         """Seconds per message ``stream`` has taken on average (None: not measured yet)."""
@@ -478,7 +500,8 @@ class SpanBook:
         held for the reconnect grace (measured: 3.0 s against 1.6 s).
         """
         streams = [i for i, state in enumerate(self._streams) if state.peer == peer and state.data and not state.lost]
-        serving = [index for index in streams if self._streams[index].up and not self._streams[index].quiet(now)]
+        source_time = self._source_time()
+        serving = [i for i in streams if self._streams[i].up and not self._streams[i].quiet(now, source_time)]
         if not serving:
             return math.inf
         measured = [pace for pace in (self.pace(index) for index in serving) if pace]
@@ -515,6 +538,7 @@ class SpanBook:
     def _victim(self, stream: int, held: int, now: float) -> Span | None:
         """The unfinished span of another stream this one should take over, if any (see the module docstring)."""
         mine = self.pace(stream)
+        source_time = self._source_time()
         best: Span | None = None
         best_score = 0.0
         for span in self.spans.values():
@@ -523,7 +547,7 @@ class SpanBook:
             first = self._first_missing(span.next, span.stop)
             if first >= span.stop or not held >> first & 1:
                 continue
-            score = self._streams[span.stream].takeover_score(span, span.stop - first, mine, now)
+            score = self._streams[span.stream].takeover_score(span, span.stop - first, mine, now, source_time)
             if score > best_score:
                 best, best_score = span, score
         return best
