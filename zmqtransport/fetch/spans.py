@@ -464,10 +464,11 @@ class SpanBook:
         loop spin without waiting for as long as the quiet span lasted (seen
         in the seven-receiver fan-out: 300 passes of the loop in a row).
         """
-        due = math.inf
+        due, source_time = math.inf, self._source_time()
         for span in self.spans.values():
             if not span.taken_over and not span.finished:
-                quiet_at = self.silent_since(span) + self.quiet_after(span.stream)
+                stream = self._streams[span.stream]
+                quiet_at = stream.silent_since(span) + stream.quiet_after(source_time)
                 if quiet_at > now:
                     due = min(due, quiet_at)
         return due
