@@ -144,7 +144,7 @@ class _Stream:
         """Seconds a message takes on it: its pace, or the wait for its first message (0: not known)."""
         return self.pace() or self.first_wait or 0.0
 
-    def quiet_after(self, source_time: float = 0.0) -> float:
+    def quiet_after(self, source_time: float) -> float:
         """Seconds of silence after which its spans may be taken over (``source_time``: see QUIET_FIRST)."""
         if not self.messages:
             return max(QUIET_FIRST, QUIET_GAPS * source_time)
@@ -154,7 +154,7 @@ class _Stream:
         """Since when it has delivered nothing for ``span`` (counted from when the span was asked for)."""
         return span.opened if self.last_data is None else max(self.last_data, span.opened)
 
-    def quiet(self, now: float, source_time: float = 0.0) -> bool:
+    def quiet(self, now: float, source_time: float) -> bool:
         """Whether it owes data and has sent nothing for longer than its pace explains."""
         owed = [span for span in self.spans if not span.finished]
         return any(now - self.silent_since(span) >= self.quiet_after(source_time) for span in owed)
@@ -479,12 +479,12 @@ class SpanBook:
         """What the live peers other than ``stream``'s hold or are fetching: all of them, and those not
         much slower than ``stream`` (bit sets)."""
         peer = self._streams[stream].peer
-        mine = self.pace(stream)
+        mine, source_time = self.pace(stream), self._source_time()
         everyone = not_slow = 0
         for other, held in self._holds.held.items():
             if other == peer or held is None:
                 continue
-            pace = self._peer_pace(other, now)
+            pace = self._peer_pace(other, now, source_time)
             if pace is math.inf:
                 continue  # no stream left to it, or every one gone quiet: it serves nobody now
             theirs = held | self._holds.coming.get(other, 0)
@@ -493,15 +493,15 @@ class SpanBook:
                 not_slow |= theirs
         return everyone, not_slow
 
-    def _peer_pace(self, peer: int, now: float) -> float | None:
-        """The best measured pace of ``peer``'s live streams (None: none measured yet; inf: none serving).
+    def _peer_pace(self, peer: int, now: float, source_time: float) -> float | None:
+        """The best measured pace of ``peer``'s live streams (None: none measured yet; inf: none serving);
+        ``source_time`` as for :meth:`_Stream.quiet_after`.
 
         A stream whose connection dropped serves nobody while it is down: a
         peer SIGKILLed mid-receive must not keep the source off what only it
         held for the reconnect grace (measured: 3.0 s against 1.6 s).
         """
         streams = [i for i, state in enumerate(self._streams) if state.peer == peer and state.data and not state.lost]
-        source_time = self._source_time()
         serving = [i for i in streams if self._streams[i].up and not self._streams[i].quiet(now, source_time)]
         if not serving:
             return math.inf
