@@ -149,7 +149,7 @@ def test_a_busy_receiver_is_not_stalled(make_transport: Any) -> None:
     """Only time spent waiting for the source counts: a receiver that is itself slow
     (each message handled longer than the stall bound) completes its transfer."""
     stall = 0.5
-    sender = make_transport(timeout=TIMEOUT)
+    sender = make_transport(timeout=TIMEOUT, chunk_bytes=1 << 20)  # 1 MiB frames, not a small state's smaller ones
     handled: list[int] = []
 
     def crawl(done: int, total: int) -> None:

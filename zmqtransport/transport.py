@@ -57,7 +57,6 @@ def _finish_pending_shutdowns() -> None:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_PACK_BELOW = 64 * 1024
 DEFAULT_WINDOW = 16
 # Connections one receive may open: each is a socket and a monitor on both
@@ -127,7 +126,11 @@ class ZMQTransport(CheckpointTransport[T]):
             (the ``ZMQTRANSPORT_ADVERTISE_HOST`` environment variable, also
             comma-separated, else each bind host, a wildcard replaced by the
             default-route interface's address).
-        chunk_bytes: largest data frame this side sends.
+        chunk_bytes: the data frame size this side sends (storages are cut
+            into frames of this size). ``None`` (default): 1 MiB, smaller for a
+            state under 256 MiB (down to 256 KiB, so it is at least 256 frames):
+            a fan-out's peers forward whole frames, and few large ones make its
+            start slow (docs/protocol.md, "Data stream and the chunk plan").
         pack_below: storages smaller than this are packed together into shared
             frames (one frame per tiny tensor would be slow).
         window: data messages this side lets a sender have in flight when
@@ -221,7 +224,7 @@ class ZMQTransport(CheckpointTransport[T]):
         bind_host: str | Sequence[str] = "*",
         port: int = 0,
         advertise_host: str | Sequence[str] | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         pack_below: int = DEFAULT_PACK_BELOW,
         window: int = DEFAULT_WINDOW,
         streams: int | None = None,
@@ -496,16 +499,19 @@ class ZMQTransport(CheckpointTransport[T]):
 def _check_options(
     timeout: timedelta,
     stall_timeout: timedelta | float | None,
-    chunk_bytes: int,
+    chunk_bytes: int | None,
     pack_below: int,
     window: int,
     io_threads: int,
     port: int,
 ) -> float | None:
     """Refuse a bad option value with a ``ValueError`` naming it; the stall bound in seconds."""
-    if not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
+    if chunk_bytes is None:
+        if not 0 <= pack_below <= wire.LARGE_STATE_FRAME:
+            raise ValueError(f"pack_below={pack_below}: must be in [0, {wire.LARGE_STATE_FRAME}] (or set chunk_bytes)")
+    elif not wire.MIN_CHUNK_BYTES <= chunk_bytes <= wire.MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes={chunk_bytes}: must be in [{wire.MIN_CHUNK_BYTES}, {wire.MAX_CHUNK_BYTES}]")
-    if not 0 <= pack_below <= chunk_bytes:
+    elif not 0 <= pack_below <= chunk_bytes:
         raise ValueError(f"pack_below={pack_below}: must be in [0, chunk_bytes={chunk_bytes}]")
     if not 1 <= window <= wire.MAX_CREDIT:
         raise ValueError(f"window={window}: must be in [1, {wire.MAX_CREDIT}]")

@@ -63,7 +63,7 @@ def stage(
     step: int,
     *,
     allow_pickle: bool,
-    chunk_bytes: int,
+    chunk_bytes: int | None,
     pack_below: int,
     checksum: str | None,
     staging: DeviceStaging,
@@ -72,7 +72,8 @@ def stage(
 
     Pure preparation in the caller's thread (no socket, no copy of host tensors):
     raises ``TypeError`` naming the key path of a leaf that cannot be sent, and
-    ``ValueError`` for a state receivers would refuse.
+    ``ValueError`` for a state receivers would refuse. ``chunk_bytes`` ``None``:
+    the frame size follows the state's size (:func:`zmqtransport.wire.frame_bytes`).
     """
     if type(step) is not int or not 0 <= step <= wire.MAX_STEP:
         raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
@@ -81,6 +82,8 @@ def stage(
         # Receivers refuse such a header (wire.decode_header); say so here, once.
         raise ValueError(f"the state holds {len(encoded.tensors)} tensors; receivers accept at most {wire.MAX_TENSORS}")
     storages = [ref.nbytes for ref in encoded.storages]
+    if chunk_bytes is None:
+        chunk_bytes = wire.frame_bytes(sum(storages), pack_below)
     header = wire.Header(
         step=step,
         skeleton=encoded.skeleton,
