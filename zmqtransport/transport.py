@@ -127,10 +127,11 @@ class ZMQTransport(CheckpointTransport[T]):
             comma-separated, else each bind host, a wildcard replaced by the
             default-route interface's address).
         chunk_bytes: the data frame size this side sends (storages are cut
-            into frames of this size). ``None`` (default): 1 MiB, smaller for a
-            state under 256 MiB (down to 256 KiB, so it is at least 256 frames):
-            a fan-out's peers forward whole frames, and few large ones make its
-            start slow (docs/protocol.md, "Data stream and the chunk plan").
+            into frames of this size). ``None`` (default): 1 MiB, halved for a
+            state under 256 MiB until it makes 256 frames, never below 256 KiB
+            nor ``pack_below``: a fan-out's peers forward whole frames, and few
+            large ones make its start slow (docs/protocol.md, "Data stream and
+            the chunk plan"). A value set here is used as it is.
         pack_below: storages smaller than this are packed together into shared
             frames (one frame per tiny tensor would be slow).
         window: data messages this side lets a sender have in flight when
