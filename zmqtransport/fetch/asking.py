@@ -196,9 +196,13 @@ class Asking:
                             SOURCE_PATIENCE)
             self.answered_by_source(xfer, None)
 
-    def claim_due(self) -> bool:
-        """Whether a claim should go to the source now (it is reachable and nothing reserved is left)."""
-        return SOURCE in self.reachable() and self.book.wants_claim()
+    def next_question_at(self) -> float:
+        """When :meth:`_questions_due` next has a question to send (inf: none can). It asks
+        :meth:`Peers.next_due` what it asks :meth:`Peers.due`: a turn counted here that the other would
+        not take makes the receiving loop pass again without waiting."""
+        if self.peers is None:
+            return math.inf
+        return self.peers.next_due(self.reachable(), self.busy(), self.book.wants_claim())
 
     def reachable(self) -> set[int]:
         """The peers (the source included) with a connection in use that is not down."""

@@ -149,10 +149,8 @@ class StripedReceive:
             self.asking.cancel_all()
 
     def _wait_ms(self, now: float) -> int:
-        wake = min(self.terms.deadline, now + CHECK_EVERY, self.book.next_takeover_at(now))
-        if self.peers is not None:
-            asking = self.asking
-            wake = min(wake, self.peers.next_due(asking.reachable(), asking.busy(), asking.claim_due()))
+        takeover, question = self.book.next_takeover_at(now), self.asking.next_question_at()
+        wake = min(self.terms.deadline, now + CHECK_EVERY, takeover, question)
         return max(0, math.ceil((max(wake, now) - now) * 1000))
 
     # ------------------------------------------------------------------ streams
