@@ -326,7 +326,7 @@ PATHS_RATE_MBIT = 200
 PATHS_TIMEOUT_S = 20.0
 # The source's stall bound: longer than any of these transfers, so a cut path's
 # stuck frames never make the source rebind its socket mid-transfer (which
-# closes the surviving path's connection too: a known issue, docs/performance.md).
+# closes the surviving path's connection too: a known issue, docs/history.md, "Several paths and streams").
 SENDER_STALL_S = 15.0
 
 

@@ -40,4 +40,7 @@ __all__ = [
     "VersionMismatchError",
     "ZMQTransport",
 ]
+# A literal, not importlib.metadata: a checkout on PYTHONPATH beside an installed
+# release would otherwise report the release's version. tests/test_version.py
+# holds it equal to pyproject.toml's (and to the installed metadata, when installed).
 __version__ = "0.1.0"

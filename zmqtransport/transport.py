@@ -169,7 +169,7 @@ class ZMQTransport(CheckpointTransport[T]):
             modified peer that offered to relay changes nothing. ``"all"``:
             the source's own messages too (end-to-end, against corruption
             anywhere on the way; costs the source and the receiver one hash
-            pass each, see README). A source that publishes no digests (an
+            pass each, docs/performance.md, ``verify="all"``). A source that publishes no digests (an
             earlier release) is never relayed from; ``"all"`` refuses to
             receive from it.
         allow_pickle: send objects that have no pickle-free encoding as pickle,

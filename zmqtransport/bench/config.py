@@ -303,7 +303,7 @@ LAB_PRESETS = tuple(n for n, s in PRESETS.items() if s.lab is not None and n not
 LOOPBACK_PRESETS = tuple(
     n for n, s in PRESETS.items() if s.lab is None and n not in LARGE and n not in DISALLOW_PRESETS
 )
-# Issue 24: ``--scenario growth`` (the README's growth table) and ``--scenario large``.
+# Issue 24: ``--scenario growth`` (docs/performance.md, "Large states") and ``--scenario large``.
 GROWTH_PRESETS = ("uniform-1g", "uniform-2g", "uniform-4g")
 LARGE_PRESETS = ("transformer", "uniform-4g", "uniform-8g")
 

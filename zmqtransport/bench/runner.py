@@ -171,7 +171,7 @@ def _gather(children: Sequence[_Child], timeout: float, *command: Any) -> list[A
 # process that has received nothing, allocated no tensor and opened no socket; what is
 # timed starts at recv_checkpoint, after the imports either way. A spawned child
 # (ZMQTRANSPORT_BENCH_START=spawn) first spends about 3 s of CPU importing torch, which
-# was most of a short benchmark's run time. Measured alike: docs/performance.md.
+# was most of a short benchmark's run time. Measured alike: docs/history.md.
 START_METHOD = os.environ.get("ZMQTRANSPORT_BENCH_START", "forkserver")
 PRELOAD = ["torch", "zmqtransport", "zmqtransport.bench.children"]
 
