@@ -306,6 +306,11 @@ class Scheduler:
             if transfer.peer in peers:
                 transfer.paused = False  # its connection drains
 
+    def resume(self) -> None:
+        """Transfers paused at this side's copy bound may try again (the pump pauses them anew if need be)."""
+        for transfer in self.transfers.values():
+            transfer.paused = False
+
     def disconnected(self, peer: bytes) -> list[Transfer]:
         """The connection of ``peer`` closed: its transfers cannot complete. Returns them, forgotten.
 

@@ -44,7 +44,7 @@ from ..relayed import Relayed
 from ..stats import DisallowStats, TransferStats
 from .digests import DigestWork
 from .disallows import Disallows, SnapshotTaken
-from .frames import HeldFrames
+from .frames import QUEUED_COPIES, HeldFrames
 from .outbox import Outbox, SentLog
 from .pump import DataPump
 from .router import Configure, Router
@@ -142,6 +142,7 @@ class Server:
         staging: DeviceStaging | None = None,
         stall: float | None = None,
         snapshot_bytes: int | None = None,
+        queue_bytes: int = QUEUED_COPIES,
     ) -> None:
         self._timeout = timeout
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -153,7 +154,7 @@ class Server:
             self._wake.close()
             raise
         try:
-            self._start(timeout, stall, staging, snapshot_bytes)
+            self._start(timeout, stall, staging, snapshot_bytes, queue_bytes)
         except BaseException:
             # Nothing half-built may outlive a failed construction: an open
             # socket would make the owner's Context.term() wait forever.
@@ -161,11 +162,13 @@ class Server:
             self._wake.close()
             raise
 
-    def _start(self, timeout: float, stall: float | None, staging: DeviceStaging | None, cap: int | None) -> None:
+    def _start(
+        self, timeout: float, stall: float | None, staging: DeviceStaging | None, cap: int | None, queue_bytes: int
+    ) -> None:
         self.port = self._router.port
         self.bound = self._router.bound  # (bind host, port) of every address listened on
         self._scheduler = Scheduler(timeout, stall)
-        self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall)
+        self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall, copies=queue_bytes)
         # Device memory goes out through the stager's pinned ring; the serving
         # thread alone uses it, its side streams included (device/).
         staging = staging if staging is not None else DeviceStaging()
@@ -344,7 +347,10 @@ class Server:
         """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
         now = time.monotonic()
         self._scheduler.progress(self._held.poll(now), now)
+        if self._held.resumed():
+            self._scheduler.resume()  # copies were released: transfers held back at the copy bound try again
         self._outbox.execute(self._scheduler.expire(now))
+        self._cut_stuck(now)
         self._disallows.settle()
         self._stager.retain(self._disallows.device_transfers())
         self._held.retain({peer for peer, _ in self._scheduler.transfers})
@@ -363,6 +369,33 @@ class Server:
         self._router.rebind()
         self._scheduler.rebound(time.monotonic())
         return True
+
+    def _cut_stuck(self, now: float) -> None:
+        """Cut the connections that hold queued frames and took none for the stall bound.
+
+        Their peers asked (or granted credit) and do not read: closing that one
+        connection frees what libzmq queued for it, everyone else's untouched.
+        Where its descriptor is not known, the socket-wide release below
+        (:meth:`HeldFrames.must_close`) still frees what references the tensors.
+        """
+        stuck = self._held.stuck(now)
+        if not stuck:
+            return
+        self._drop_disconnected()  # first: a closed connection's descriptor may be reused
+        for peer in stuck:
+            queued = self._held.queued(peer)
+            address = self._router.address_of(peer)
+            if not self._router.cut(peer):
+                continue
+            self._held.cutting(peer)
+            gone = self._scheduler.disconnected(peer)
+            logger.warning(
+                "cut the connection of %s: %d bytes were queued for it, it took none for %.1f s (%d transfers ended)",
+                address,
+                queued,
+                self._scheduler.stall,
+                len(gone),
+            )
 
     def _shutdown_in_thread(self) -> None:
         self._outbox.execute(self._scheduler.shutdown())
