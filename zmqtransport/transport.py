@@ -325,6 +325,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 stall=stall_seconds,
                 snapshot_bytes=caps[0],
                 queue_bytes=caps[1],
+                curve=self._curve is not None,
             )
         except BaseException:
             # The Server closed its own socket; the ZAP handler's thread and

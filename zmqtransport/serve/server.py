@@ -143,6 +143,7 @@ class Server:
         stall: float | None = None,
         snapshot_bytes: int | None = None,
         queue_bytes: int = QUEUED_COPIES,
+        curve: bool = False,
     ) -> None:
         self._timeout = timeout
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -154,7 +155,7 @@ class Server:
             self._wake.close()
             raise
         try:
-            self._start(timeout, stall, staging, snapshot_bytes, queue_bytes)
+            self._start(timeout, stall, staging, snapshot_bytes, queue_bytes, curve)
         except BaseException:
             # Nothing half-built may outlive a failed construction: an open
             # socket would make the owner's Context.term() wait forever.
@@ -163,11 +164,18 @@ class Server:
             raise
 
     def _start(
-        self, timeout: float, stall: float | None, staging: DeviceStaging | None, cap: int | None, queue_bytes: int
+        self,
+        timeout: float,
+        stall: float | None,
+        staging: DeviceStaging | None,
+        cap: int | None,
+        queue_bytes: int,
+        curve: bool,
     ) -> None:
         self.port = self._router.port
         self.bound = self._router.bound  # (bind host, port) of every address listened on
-        self._scheduler = Scheduler(timeout, stall)
+        # curve: relay offers are believed only with this side's own security (serve/swarm.py).
+        self._scheduler = Scheduler(timeout, stall, curve=curve)
         self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall, copies=queue_bytes)
         # Device memory goes out through the stager's pinned ring; the serving
         # thread alone uses it, its side streams included (device/).
