@@ -1,4 +1,5 @@
-"""What one connection, and all of them together, may have queued, whatever credit a peer grants (serve/frames.py).
+"""What one connection, and all of them together, may have queued, whatever credit a peer grants (serve/frames.py),
+and what a misbehaving peer costs the log (serve/notices.py).
 
 The rules are pure (fake trackers, an explicit time); the cut of one ROUTER
 connection is checked on real sockets: libzmq frees what it queued for that
@@ -7,13 +8,18 @@ peer, and another peer's connection is untouched.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
+import pytest
 import zmq
 
+from zmqtransport import ZMQTransport
 from zmqtransport.serve.frames import HeldFrames
+from zmqtransport.serve.notices import SUMMARY_EVERY, Notices
 from zmqtransport.serve.router import Router
 
 MiB = 1 << 20
@@ -140,4 +146,51 @@ def test_cutting_one_connection_frees_what_libzmq_queued_for_it_and_nothing_else
         assert not router.cut(b"no such peer")
     finally:
         router.close()
+        context.destroy(linger=0)
+
+
+def test_a_peer_that_repeats_itself_gets_one_warning_and_a_count() -> None:
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    log = logging.getLogger("test.notices")
+    log.addHandler(Keep())
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    notices = Notices(log)
+    for n in range(100):
+        notices.warn("10.0.0.9", "bad request", float(n), "bad request %d from %s", n, "10.0.0.9")
+    notices.warn("10.0.0.8", "bad request", 0.0, "bad request from %s", "10.0.0.8")
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert warnings == ["bad request 0 from 10.0.0.9", "bad request from 10.0.0.8"]
+    assert not notices.due(50.0) and notices.due(1.0 + SUMMARY_EVERY)
+    notices.flush()
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3 and "bad request 100 times in all" in warnings[-1]
+    notices.flush()  # nothing new: nothing more
+    assert len([r for r in records if r.levelno == logging.WARNING]) == 3
+    notices.warn("10.0.0.9", "bad request", 200.0, "bad request again from %s", "10.0.0.9")
+    assert [r.getMessage() for r in records if r.levelno == logging.WARNING][-1] == "bad request again from 10.0.0.9"
+
+
+def test_a_flood_of_bad_requests_logs_one_warning_and_its_count(caplog: pytest.LogCaptureFixture) -> None:
+    source: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=10), bind_host="127.0.0.1")
+    context = zmq.Context()
+    try:
+        dealer = _dealer(context, source.address.port)
+        with caplog.at_level(logging.WARNING, logger="zmqtransport"):
+            for _ in range(200):
+                dealer.send(b"not msgpack at all")
+            for _ in range(200):
+                assert dealer.poll(5000), "an error reply for every bad request"
+                dealer.recv()
+            bad = [r for r in caplog.records if "bad request" in r.getMessage()]
+            assert len(bad) == 1, [r.getMessage() for r in bad]
+            source.shutdown()
+        assert any("bad request 200 times in all" in r.getMessage() for r in caplog.records)
+    finally:
+        source.shutdown()
         context.destroy(linger=0)

@@ -22,6 +22,7 @@ from ..device import SendStager
 from ..relayed import RelayStopped
 from .digests import envelope_digest
 from .frames import HeldFrames
+from .notices import Notices
 from .router import Router
 from .scheduler import Action, Scheduler, Transfer
 
@@ -35,12 +36,18 @@ class DataPump:
     """Sends while transfers have credit, one message per transfer per round."""
 
     def __init__(
-        self, scheduler: Scheduler, router: Router, stager: SendStager, held: HeldFrames[zmq.MessageTracker]
+        self,
+        scheduler: Scheduler,
+        router: Router,
+        stager: SendStager,
+        held: HeldFrames[zmq.MessageTracker],
+        notices: Notices,
     ) -> None:
         self._scheduler = scheduler
         self._router = router
         self._stager = stager
         self._held = held
+        self._notices = notices
 
     def run(self) -> list[Action]:
         """Send up to :data:`BATCH` data messages; returns the actions of transfers that finished."""
@@ -105,7 +112,8 @@ class DataPump:
             tracker = self._router.send_data(transfer.peer, envelope, payload, track=True)
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the peer is gone; EAGAIN: it ignored flow control.
-            logger.warning("dropping transfer to %s step %d: %s", transfer.address, staged.step, exc)
+            address, message = transfer.address, "dropping transfer to %s step %d: %s"
+            self._notices.warn(address, "transfer dropped", time.monotonic(), message, address, staged.step, exc)
             self._scheduler.drop(transfer)
             return []
         now = time.monotonic()

@@ -45,6 +45,7 @@ from ..stats import DisallowStats, TransferStats
 from .digests import DigestWork
 from .disallows import Disallows, SnapshotTaken
 from .frames import QUEUED_COPIES, HeldFrames
+from .notices import Notices
 from .outbox import Outbox, SentLog
 from .pump import DataPump
 from .router import Configure, Router
@@ -182,11 +183,12 @@ class Server:
         staging = staging if staging is not None else DeviceStaging()
         self._stager = SendStager(staging)
         self._disallows = Disallows(self._scheduler, self._stager, staging, self._held, timeout, cap, self._command)
-        self._pump = DataPump(self._scheduler, self._router, self._stager, self._held)
+        self._notices = Notices(logger)  # WARNINGs about peers: one per peer and kind, repeats summed up
+        self._pump = DataPump(self._scheduler, self._router, self._stager, self._held, self._notices)
         self._digests = DigestWork(self._scheduler, self._router)
         self._hashing_due = False  # digest requests have bytes left to hash now
         self._sent = SentLog()
-        self._outbox = Outbox(self._router, self._scheduler, self._sent)
+        self._outbox = Outbox(self._router, self._scheduler, self._sent, self._notices)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"zmqtransport-serve-{self.port}", daemon=True)
         self._thread.start()
@@ -316,8 +318,10 @@ class Server:
                 return
             match command:
                 case StageCommand(staged):
+                    self._notices.flush()  # what peers did while the step before was served
                     self._outbox.execute(self._scheduler.stage(staged, time.monotonic()))
                 case DisallowCommand(done, stats):
+                    self._notices.flush()
                     self._disallows.begin(done, stats)
                 case StopCommand():
                     self._stopping = True
@@ -340,7 +344,7 @@ class Server:
             try:
                 request = wire.decode_request(frames[0].buffer)
             except ProtocolError as exc:
-                logger.warning("bad request from %s: %s", address, exc)
+                self._notices.warn(address, "bad request", time.monotonic(), "bad request from %s: %s", address, exc)
                 self._outbox.execute([Refuse(peer, 0, exc.code, str(exc))])
                 continue
             self._outbox.execute(self._scheduler.on_request(peer, request, address, time.monotonic()))
@@ -349,7 +353,8 @@ class Server:
         for peer in self._router.disconnected():
             for transfer in self._scheduler.disconnected(peer):
                 step, address = transfer.staged.step, transfer.address
-                logger.warning("dropping transfer of step %d to %s: its connection closed", step, address)
+                message = "dropping transfer of step %d to %s: its connection closed"
+                self._notices.warn(address, "connection closed mid-transfer", time.monotonic(), message, step, address)
 
     def _housekeeping(self) -> bool:
         """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
@@ -359,6 +364,8 @@ class Server:
             self._scheduler.resume()  # copies were released: transfers held back at the copy bound try again
         self._outbox.execute(self._scheduler.expire(now))
         self._cut_stuck(now)
+        if self._notices.due(now):
+            self._notices.flush()
         self._disallows.settle()
         self._stager.retain(self._disallows.device_transfers())
         self._held.retain({peer for peer, _ in self._scheduler.transfers})
@@ -397,16 +404,13 @@ class Server:
                 continue
             self._held.cutting(peer)
             gone = self._scheduler.disconnected(peer)
-            logger.warning(
-                "cut the connection of %s: %d bytes were queued for it, it took none for %.1f s (%d transfers ended)",
-                address,
-                queued,
-                self._scheduler.stall,
-                len(gone),
-            )
+            message = "cut the connection of %s: %d bytes queued for it, it took none for %.1f s (%d transfers ended)"
+            stall = self._scheduler.stall
+            self._notices.warn(address, "connection cut", now, message, address, queued, stall, len(gone))
 
     def _shutdown_in_thread(self) -> None:
         self._outbox.execute(self._scheduler.shutdown())
+        self._notices.flush()
         self._router.close()
         for tracker in self._held.trackers():
             try:

@@ -26,10 +26,8 @@ from ..net import parse_metadata
 # The metadata parameter of a CurveZMQ server key (zmqtransport.security.METADATA_KEY), and its z85 form.
 CURVE_PARAM = "curve"
 Z85_KEY_CHARS = 40
-_Z85_DIGITS = {
-    char: value
-    for value, char in enumerate("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
-}
+_Z85_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+_Z85_DIGITS = {char: value for value, char in enumerate(_Z85_ALPHABET)}
 
 # Members one swarm remembers (the oldest go first); far above any realistic
 # number of replicas recovering at once from one source.
