@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from zmqtransport import ConnectionLostError, ZMQTransport, wire
+from zmqtransport.serve.router import Router
 
 from .conftest import Processes
 
@@ -237,7 +238,10 @@ def test_stalled_receiver_forces_release_and_the_port_is_reused(
         # Referenced until here on purpose: pyzmq closes a garbage-collected
         # socket, which would end the stall early.
         assert not staller.closed
-        assert any("closing the socket" in r.getMessage() for r in caplog.records), (
+        # Released by cutting the staller's connection (serve/router.py, Router.cut), or by
+        # closing the whole socket at the timeout: the two fall due together here (stall = timeout).
+        freed = ("closing the socket", "cut the connection")
+        assert any(text in r.getMessage() for r in caplog.records for text in freed), (
             "the stall never held frames: this test did not exercise the forced release"
         )
 
@@ -311,9 +315,14 @@ def test_receiver_that_stops_granting_credit_is_dropped() -> None:
         sender.shutdown()
 
 
-def test_waiting_receiver_survives_a_forced_rebind(caplog: pytest.LogCaptureFixture) -> None:
+def test_waiting_receiver_survives_a_forced_rebind(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A fetch for a step not staged yet, parked on the sender while a stalled receiver
     forces the ROUTER to be rebuilt, is still answered when the step is staged."""
+    # The stalled connection alone would be cut (Router.cut); where that cannot be
+    # done (no descriptor known), the socket is rebuilt: this test plays that case.
+    monkeypatch.setattr(Router, "cut", lambda self, peer: False)
     timeout = 2.0
     state = big_state(10)
     sender: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=timeout), bind_host=LOOPBACK)

@@ -17,17 +17,19 @@ import threading
 import time
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import torch
 
-from zmqtransport import ZMQTransport, digests, relayed, wire
+from zmqtransport import ZMQTransport, digests, relayed, security, wire
 from zmqtransport.bench.rogue import become_rogue
 from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.errors import IntegrityError, ProtocolError
 from zmqtransport.fetch.checking import AHEAD_PATIENCE, AHEAD_REQUESTS, AHEAD_RUN, DigestTerms, RelayCheck
 from zmqtransport.fetch.spans import DEPTH, HELD, LANDED, MISSING, SpanBook
 from zmqtransport.fetch.verify import DigestBook, Verdict
+from zmqtransport.net import parse_metadata
 from zmqtransport.serve import scheduler, swarm
 from zmqtransport.serve.digests import DigestWork
 from zmqtransport.serve.router import Router
@@ -255,14 +257,36 @@ def fetch(xfer: int = 1, **kwargs: Any) -> wire.Request:
 
 
 def test_an_offer_to_relay_is_kept_to_the_host_the_connection_comes_from() -> None:
-    offer = "tcp://10.0.0.2:5000?curve=KEY&paths=10.9.9.9:5000,10.0.0.2:5001"
-    assert swarm.believable_offer(offer, "10.0.0.2") == "tcp://10.0.0.2:5000?curve=KEY&paths=10.0.0.2:5001"
-    assert swarm.believable_offer(offer, "::ffff:10.0.0.2") is not None  # an IPv4 peer on a dual-stack socket
+    key = quote(security.generate_keypair().public.decode(), safe="")  # z85 has '&', '=', '?' ...
+    offer = f"tcp://10.0.0.2:5000?curve={key}&paths=10.9.9.9:5000,10.0.0.2:5001"
+    kept = swarm.believable_offer(offer, "10.0.0.2", curve=True)
+    assert kept is not None
+    assert parse_metadata(kept) == parse_metadata(f"tcp://10.0.0.2:5000?curve={key}&paths=10.0.0.2:5001")
+    assert swarm.believable_offer(offer, "::ffff:10.0.0.2", curve=True) is not None  # IPv4 on a dual-stack socket
     assert swarm.believable_offer("tcp://10.9.9.9:5000?paths=10.0.0.2:7", "10.0.0.2") == "tcp://10.0.0.2:7"
     assert swarm.believable_offer("tcp://victim.example:80", "10.0.0.2") is None  # names are not resolved
     assert swarm.believable_offer("tcp://10.9.9.9:80", "10.0.0.2") is None
     assert swarm.believable_offer("not metadata", "10.0.0.2") is None
     assert swarm.believable_offer("tcp://10.0.0.2:1", "unknown peer") is None
+
+
+def test_an_offer_is_believed_only_with_the_sources_own_security() -> None:
+    """A member's offer the next receivers could not use (CurveZMQ where they have none, or none where
+    they require it, a malformed key, a parameter nobody knows) would fail every receive sent there."""
+    key = security.generate_keypair().public.decode()
+    with_curve, plain = f"tcp://10.0.0.2:5000?curve={quote(key, safe='')}", "tcp://10.0.0.2:5000"
+    assert swarm.believable_offer(plain, "10.0.0.2", curve=False) == plain
+    assert swarm.believable_offer(with_curve, "10.0.0.2", curve=True) is not None
+    assert swarm.believable_offer(with_curve, "10.0.0.2", curve=False) is None
+    assert swarm.believable_offer(plain, "10.0.0.2", curve=True) is None
+    for bad_key in ("KEY", "#" * 40, key[:-1], key + "0"):
+        bad = f"tcp://10.0.0.2:5000?curve={quote(bad_key, safe='')}"
+        assert swarm.believable_offer(bad, "10.0.0.2", curve=True) is None
+    assert swarm.believable_offer(f"{plain}?zap=1", "10.0.0.2", curve=False) is None
+    members = swarm.Swarm(curve=False)
+    assert members.offer(b"a", with_curve, "10.0.0.2", b"t" * 16, None) is None  # served directly, not a member
+    assert members.members == []
+    assert members.offer(b"b", plain, "10.0.0.2", b"u" * 16, None) is not None
 
 
 def test_only_a_receiver_that_verifies_is_sent_to_a_relay_and_only_offers_from_their_own_host() -> None:

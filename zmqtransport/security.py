@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -102,7 +103,8 @@ def check_public_key(key: str | bytes, what: str = "CURVE public key") -> bytes:
         raise ValueError(f"{what} must be {_Z85_KEY_CHARS} z85 characters, got {len(raw)}")
     try:
         decoded = z85.decode(raw)
-    except (ValueError, KeyError, IndexError, TypeError):  # pyzmq's decoder raises all of these
+    # pyzmq's decoder raises all of these; struct.error for a group of five over 2**32 ("#####").
+    except (ValueError, KeyError, IndexError, TypeError, struct.error):
         raise ValueError(f"{what} is not valid z85") from None
     if len(decoded) != _KEY_BYTES:
         raise ValueError(f"{what} does not decode to {_KEY_BYTES} bytes")

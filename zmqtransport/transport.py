@@ -33,6 +33,7 @@ from .fetch.options import VERIFY_CHOICES
 from .gcpause import paused_gc
 from .net import PeerAddress, advertised_hosts, parse_metadata, paths_with_ports, split_hosts
 from .serve import Server
+from .serve.frames import QUEUED_COPIES
 from .serve.staged import stage
 from .stats import DisallowStats, TransferStats
 
@@ -58,6 +59,7 @@ def _finish_pending_shutdowns() -> None:
 logger = logging.getLogger(__name__)
 
 DEFAULT_PACK_BELOW = 64 * 1024
+DEFAULT_SEND_QUEUE_BYTES = QUEUED_COPIES
 DEFAULT_WINDOW = 16
 # Connections one receive may open: each is a socket and a monitor on both
 # sides, and counts against the sender's per-peer and global transfer limits.
@@ -113,6 +115,14 @@ class ZMQTransport(CheckpointTransport[T]):
             it, the call waits for them instead (as HTTPTransport's does),
             until what they still need fits, they end, or they stall; ``0``
             always waits. See docs/protocol.md, "Releasing staged memory".
+        send_queue_bytes: the most memory this side's copies queued for
+            sending may take, all connections together (packed small tensors,
+            messages relayed onward, a disallow's snapshot; zero-copy frames of
+            large tensors are not copies). Default 256 MiB. Whatever credit a
+            peer grants, one connection also holds at most 32 MiB queued (one
+            frame at least), and one that takes nothing for the stall bound
+            is cut, which frees what was queued for it (docs/security.md,
+            "Memory a peer can make this side hold").
         bind_host: interface to listen on; ``"*"`` (default) means all of them.
             A list (or a comma-separated string) listens on each address:
             one path per network (docs/protocol.md, "Paths").
@@ -222,6 +232,7 @@ class ZMQTransport(CheckpointTransport[T]):
         *,
         stall_timeout: timedelta | float | None = DEFAULT_STALL_TIMEOUT,
         snapshot_bytes: int | None = None,
+        send_queue_bytes: int = DEFAULT_SEND_QUEUE_BYTES,
         bind_host: str | Sequence[str] = "*",
         port: int = 0,
         advertise_host: str | Sequence[str] | None = None,
@@ -251,6 +262,8 @@ class ZMQTransport(CheckpointTransport[T]):
         _check_receiving(streams, relay, verify)
         if snapshot_bytes is not None and (type(snapshot_bytes) is not int or snapshot_bytes < 0):
             raise ValueError(f"snapshot_bytes={snapshot_bytes!r}: must be None or an integer >= 0")
+        if type(send_queue_bytes) is not int or send_queue_bytes < 1:
+            raise ValueError(f"send_queue_bytes={send_queue_bytes!r}: must be an integer >= 1")
         bind_hosts = split_hosts(bind_host, "bind_host")
         # Chosen (and checked) before anything is acquired; the ports follow the binds.
         advertised = advertised_hosts(bind_hosts, advertise_host)
@@ -266,7 +279,7 @@ class ZMQTransport(CheckpointTransport[T]):
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
         self._shutdown_lock, self._shut_down = threading.Lock(), False
         self._zap: security.ZapHandler | None = None
-        params = self._start_server(bind_hosts, port, stall_seconds, snapshot_bytes)
+        params = self._start_server(bind_hosts, port, stall_seconds, (snapshot_bytes, send_queue_bytes))
         first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
         self._address = PeerAddress(first.host, first.port, params, tuple(more))
         self._fetch_options = FetchOptions(
@@ -287,7 +300,7 @@ class ZMQTransport(CheckpointTransport[T]):
         self.last_disallow_stats: DisallowStats | None = None
 
     def _start_server(
-        self, bind_hosts: list[str], port: int, stall_seconds: float | None, snapshot_bytes: int | None
+        self, bind_hosts: list[str], port: int, stall_seconds: float | None, caps: tuple[int | None, int]
     ) -> dict[str, str]:
         """Bind and start serving (the ZAP handler first, with CurveZMQ); the metadata parameters.
 
@@ -310,7 +323,9 @@ class ZMQTransport(CheckpointTransport[T]):
                 configure=configure,
                 staging=self._staging,
                 stall=stall_seconds,
-                snapshot_bytes=snapshot_bytes,
+                snapshot_bytes=caps[0],
+                queue_bytes=caps[1],
+                curve=self._curve is not None,
             )
         except BaseException:
             # The Server closed its own socket; the ZAP handler's thread and

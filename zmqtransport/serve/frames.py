@@ -18,6 +18,17 @@ Closing the socket frees every frame at once, at the price of every other
 connection: it is done when no receiver that is making progress would lose
 data, or when a disallow waits only for frames of receivers that are stuck
 (docs/protocol.md, "Releasing staged memory").
+
+What libzmq holds is also this side's memory, and a peer decides how much of
+it there is: credit is something a peer *says*, so one that grants credit and
+never reads would have every message queued (copies of packed or relayed
+frames cost their bytes each). So what is queued is bounded whatever a peer
+grants (docs/security.md, "Memory a peer can make this side hold"): per
+connection by :attr:`HeldFrames.per_connection` bytes, and the copies of all
+connections together by :attr:`HeldFrames.copies`; a connection that has
+released nothing for the stall bound is reported by :meth:`HeldFrames.stuck`,
+and the socket owner cuts that one connection, which frees what was queued
+for it without touching anyone else's.
 """
 
 from __future__ import annotations
@@ -47,6 +58,15 @@ PINNED_DRAIN = 0.03
 # Seconds between looks at held frames while a transfer waits for its
 # connection to drain (it sends again as soon as a look sees a release).
 PAUSED_POLL = 0.002
+# Bytes libzmq may hold for one connection (every frame it has not handed to
+# the kernel yet, zero-copy or copied). An honest receiver's credit keeps it
+# far below: a direct receive grants 16 messages, a span fetch about 4 MiB, and
+# a receiver that reads takes frames as fast as the kernel sends them. At least
+# one frame is always allowed, whatever its size.
+QUEUED_PER_CONNECTION = 32 << 20
+# Bytes of copies (packed small tensors, relayed and snapshot messages) libzmq
+# may hold for all connections together: ZMQTransport(send_queue_bytes=...).
+QUEUED_COPIES = 256 << 20
 
 
 @dataclass
@@ -63,6 +83,7 @@ class _Frame(Generic[T]):
     sent_at: float
     ahead: int  # bytes libzmq still held for the same connection when this one was queued
     pinned: bool  # references the caller's tensors (else a buffer of this side's: it only tells progress)
+    copied: bool = False  # a copy made for this send: its bytes are this side's memory until released
 
 
 @dataclass
@@ -81,22 +102,73 @@ class _Frames(Generic[T]):
 class HeldFrames(Generic[T]):
     """Frames handed to libzmq, per transfer, until libzmq lets go of them; drain rates per connection."""
 
-    def __init__(self, stall: float) -> None:
+    def __init__(
+        self, stall: float, per_connection: int = QUEUED_PER_CONNECTION, copies: int = QUEUED_COPIES
+    ) -> None:
         self.stall = stall  # frames not released for this long belong to a stuck receiver
+        self.per_connection = per_connection
+        self.copies = copies
         self._frames: dict[Key, _Frames[T]] = {}
         self._waiting: list[_Waiting] = []
         # Per connection (routing id): bytes held, and the rate they last drained at (bytes per second).
         self._queued: dict[bytes, int] = {}
         self._rates: dict[bytes, float] = {}
-        self._paused: set[bytes] = set()  # connections a transfer waits on (may_send said no)
+        self._paused: set[bytes] = set()  # connections a transfer waits on (may_send or may_queue said no)
+        self._copied = 0  # bytes of copies held, all connections together
+        self._starved = False  # a send waits for copies to be released (may_copy said no)
+        self._resumed = False  # copies were released since: sends held back may try again
+        self._cut: set[bytes] = set()  # connections reported stuck: their frames are being freed
 
-    def track(self, key: Key, tracker: T, pinned: bool, now: float, nbytes: int = 0) -> None:
+    def track(self, key: Key, tracker: T, pinned: bool, now: float, nbytes: int = 0, copied: bool = False) -> None:
         frames = self._frames.get(key)
         if frames is None:
             frames = self._frames[key] = _Frames(now)
         queued = self._queued.get(key[0], 0)
-        frames.held.append(_Frame(tracker, nbytes, now, queued, pinned))
+        frames.held.append(_Frame(tracker, nbytes, now, queued, pinned, copied))
         self._queued[key[0]] = queued + nbytes
+        if copied:
+            self._copied += nbytes
+
+    @property
+    def copied(self) -> int:
+        """Bytes of copies libzmq holds now, all connections together."""
+        return self._copied
+
+    def queued(self, peer: bytes) -> int:
+        """Bytes libzmq holds now for the connection ``peer``."""
+        return self._queued.get(peer, 0)
+
+    def may_queue(self, key: Key, nbytes: int) -> bool:
+        """Whether a frame of ``nbytes`` may be queued for this transfer's connection now.
+
+        No while what libzmq holds for that connection and the frame would
+        exceed :attr:`per_connection` (one frame is always allowed): the
+        connection's credit is what its peer says, this is what it reads.
+        After a no, :meth:`poll` reports the connection as soon as one of its
+        frames is released.
+        """
+        peer = key[0]
+        queued = self._queued.get(peer, 0)
+        if queued == 0 or queued + nbytes <= self.per_connection:
+            return True
+        self._paused.add(peer)
+        return False
+
+    def may_copy(self, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` may be queued now (all connections' copies within :attr:`copies`).
+
+        One copy is always allowed when none is held. After a no, the first
+        :meth:`poll` that sees a copy released makes :meth:`resumed` true.
+        """
+        if self._copied == 0 or self._copied + nbytes <= self.copies:
+            return True
+        self._starved = True
+        return False
+
+    def resumed(self) -> bool:
+        """Whether sends held back by :meth:`may_copy` may try again now (asked once: it resets)."""
+        resumed, self._resumed = self._resumed, False
+        return resumed
 
     def may_send(self, key: Key, nbytes: int) -> bool:
         """Whether a pinned frame of ``nbytes`` may be queued for this transfer now.
@@ -143,6 +215,10 @@ class HeldFrames(Generic[T]):
             released = [f for f in frames.held if f.tracker.done]
             peer = key[0]
             self._queued[peer] = max(0, self._queued.get(peer, 0) - sum(f.nbytes for f in released))
+            freed = sum(f.nbytes for f in released if f.copied)
+            if freed:
+                self._copied = max(0, self._copied - freed)
+                self._resumed, self._starved = self._resumed or self._starved, False
             latest = max(released, key=lambda f: f.sent_at)
             # What was ahead of it and itself drained in the time it was held.
             self._rates[peer] = (latest.ahead + latest.nbytes) / max(now - latest.sent_at, 1e-6)
@@ -162,12 +238,35 @@ class HeldFrames(Generic[T]):
         for peer in [p for p, queued in self._queued.items() if not queued and p not in peers]:
             del self._queued[peer]
         self._paused = {peer for peer in self._paused if peer in peers}
+        held = {peer for peer, _ in self._frames}
+        self._cut = {peer for peer in self._cut if peer in held}  # freed: a new connection may reuse the id
+
+    def stuck(self, now: float) -> list[bytes]:
+        """Connections that hold frames and released none for the stall bound, each reported once.
+
+        Its peer granted credit (or asked) and does not read: the socket owner
+        cuts that connection, which frees what libzmq queued for it. A receiver
+        that takes data, however slowly, releases frames and is never reported.
+        """
+        latest: dict[bytes, float] = {}
+        for (peer, _), frames in self._frames.items():
+            if frames.held and not frames.closing:
+                latest[peer] = max(latest.get(peer, float("-inf")), frames.last_release)
+        stuck = [peer for peer, last in latest.items() if now - last > self.stall and peer not in self._cut]
+        self._cut.update(stuck)
+        return stuck
+
+    def cutting(self, peer: bytes) -> None:
+        """The connection ``peer`` is being closed: libzmq frees its frames, no socket-wide close is needed for them."""
+        for (holder, _), frames in self._frames.items():
+            if holder == peer:
+                frames.closing = True
 
     def wakeup_in(self, now: float) -> float | None:
         """Seconds until :meth:`poll` should look again (None: nothing held that matters)."""
-        if self._paused:
+        if self._paused or self._starved:
             return PAUSED_POLL
-        held = [frames.last_release for frames in self._frames.values() if frames.pinned and not frames.closing]
+        held = [frames.last_release for frames in self._frames.values() if frames.held and not frames.closing]
         if not held:
             return None
         return max(0.0, min(RELEASE_POLL, min(held) + self.stall - now))

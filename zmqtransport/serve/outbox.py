@@ -12,6 +12,7 @@ from collections import deque
 
 from .. import wire
 from ..stats import TransferStats
+from .notices import Notices
 from .router import Router
 from .scheduler import Abort, Action, Finish, Have, Key, Refuse, Scheduler, SendHeader, Transfer
 
@@ -54,10 +55,11 @@ class SentLog:
 class Outbox:
     """Sends what the scheduler decided and tells it about messages that could not go out."""
 
-    def __init__(self, router: Router, scheduler: Scheduler, sent: SentLog) -> None:
+    def __init__(self, router: Router, scheduler: Scheduler, sent: SentLog, notices: Notices) -> None:
         self._router = router
         self._scheduler = scheduler
         self._sent = sent
+        self._notices = notices
 
     def execute(self, actions: list[Action]) -> None:
         """Carry out what the scheduler decided, telling it about messages that could not go out."""
@@ -78,8 +80,12 @@ class Outbox:
                 case Abort(transfer, code, message):
                     step, address = transfer.staged.step, transfer.address
                     # A relay that stops is routine (its downstream turns to the source).
-                    level = logging.INFO if code == wire.ERR_NOT_RELAYING else logging.WARNING
-                    logger.log(level, "aborting transfer of step %d to %s: %s", step, address, message)
+                    text = "aborting transfer of step %d to %s: %s"
+                    if code == wire.ERR_NOT_RELAYING:
+                        logger.info(text, step, address, message)
+                    else:
+                        kind = f"transfer ended ({code})"
+                        self._notices.warn(address, kind, time.monotonic(), text, step, address, message)
                     self._router.send(transfer.peer, [wire.error_reply(transfer.xfer, code, message)])
                 case Have(peer, xfer, bits, messages, peers, coming, claimed):
                     self._router.send(peer, [wire.have_reply(xfer, bits, messages, peers, coming, claimed)])

@@ -4,7 +4,9 @@ Device memory goes out through the stager's pinned ring (:mod:`zmqtransport.devi
 a message is sent once its copy to host memory is complete. A message that
 references the caller's tensors waits (its transfer pauses) while its
 connection holds more than a disallow should wait for
-(:meth:`.frames.HeldFrames.may_send`).
+(:meth:`.frames.HeldFrames.may_send`). Whatever credit a peer grants, what is
+queued for its connection, and the copies of all connections together, stay
+within bounds (:meth:`.frames.HeldFrames.may_queue`, :meth:`~.frames.HeldFrames.may_copy`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..device import SendStager
 from ..relayed import RelayStopped
 from .digests import envelope_digest
 from .frames import HeldFrames
+from .notices import Notices
 from .router import Router
 from .scheduler import Action, Scheduler, Transfer
 
@@ -33,12 +36,18 @@ class DataPump:
     """Sends while transfers have credit, one message per transfer per round."""
 
     def __init__(
-        self, scheduler: Scheduler, router: Router, stager: SendStager, held: HeldFrames[zmq.MessageTracker]
+        self,
+        scheduler: Scheduler,
+        router: Router,
+        stager: SendStager,
+        held: HeldFrames[zmq.MessageTracker],
+        notices: Notices,
     ) -> None:
         self._scheduler = scheduler
         self._router = router
         self._stager = stager
         self._held = held
+        self._notices = notices
 
     def run(self) -> list[Action]:
         """Send up to :data:`BATCH` data messages; returns the actions of transfers that finished."""
@@ -71,6 +80,11 @@ class DataPump:
 
     def _send_chunk(self, transfer: Transfer) -> list[Action]:
         staged, seq, key = transfer.staged, transfer.next_seq, transfer.key
+        # However much credit its peer granted, a connection holds at most so much (serve/frames.py):
+        # a peer that asks and does not read pauses its transfer, and is cut after the stall bound.
+        if not self._held.may_queue(key, staged.span_bytes(seq, seq + 1)):
+            transfer.paused = True  # until a frame of its connection is released
+            return []
         staged_view = self._stager.take(key, seq) if staged.device_plan is not None else None
         payload: Any
         if staged_view is not None:
@@ -85,6 +99,12 @@ class DataPump:
             if references_tensor and not self._held.may_send(key, len(payload)):
                 transfer.paused = True  # until a frame of its connection is released
                 return []
+            if not references_tensor and not self._held.may_copy(len(payload)):
+                # Copies of every connection together are at their bound: this side's
+                # limit, not the receiver's doing, so its stall clock does not run meanwhile.
+                transfer.paused = True  # until a copy is released (HeldFrames.resumed)
+                transfer.last_progress = time.monotonic()
+                return []
         digest = envelope_digest(transfer, seq, payload)
         envelope = wire.data_envelope(transfer.xfer, seq, staged.crc(seq, payload), digest)
         try:
@@ -92,12 +112,14 @@ class DataPump:
             tracker = self._router.send_data(transfer.peer, envelope, payload, track=True)
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the peer is gone; EAGAIN: it ignored flow control.
-            logger.warning("dropping transfer to %s step %d: %s", transfer.address, staged.step, exc)
+            address, message = transfer.address, "dropping transfer to %s step %d: %s"
+            self._notices.warn(address, "transfer dropped", time.monotonic(), message, address, staged.step, exc)
             self._scheduler.drop(transfer)
             return []
         now = time.monotonic()
         if tracker is not None:
-            self._held.track(key, tracker, pinned=references_tensor, now=now, nbytes=len(payload))
+            copied = staged_view is None and not references_tensor
+            self._held.track(key, tracker, pinned=references_tensor, now=now, nbytes=len(payload), copied=copied)
         if staged_view is not None:
             self._stager.sent(key, seq, tracker)  # the buffer is reused once libzmq lets go
         return self._scheduler.sent(transfer, now)

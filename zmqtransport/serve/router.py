@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -56,6 +57,7 @@ class Router:
             self.socket.close(linger=0)
             raise
         self._peer_fds: dict[bytes, int] = {}  # routing id -> descriptor of its connection
+        self._addresses: dict[bytes, str] = {}  # routing id -> the peer address its requests came from
 
     def _make(self) -> zmq.Socket[Any]:
         return sockets.new_socket(self._context, zmq.ROUTER, self._configure_router)
@@ -77,6 +79,7 @@ class Router:
             self.socket.disable_monitor()
         self.monitor.close(linger=0)
         self._peer_fds.clear()
+        self._addresses.clear()
 
     def read(self) -> Iterator[tuple[bytes, str, list[zmq.Frame]]]:
         """Waiting requests as (routing id, peer address, frames after the routing id)."""
@@ -88,7 +91,40 @@ class Router:
             peer = frames[0].bytes
             with contextlib.suppress(zmq.ZMQError):  # ZMQ_SRCFD is deprecated: without it, stalls still catch the dead
                 self._peer_fds[peer] = int(frames[-1].get(zmq.SRCFD))
-            yield peer, _peer_address(frames[-1]), frames[1:]
+            address = self._addresses[peer] = _peer_address(frames[-1])
+            yield peer, address, frames[1:]
+
+    def address_of(self, peer: bytes) -> str:
+        """The address ``peer``'s requests came from (for logs)."""
+        return self._addresses.get(peer, "unknown peer")
+
+    def cut(self, peer: bytes) -> bool:
+        """Close the connection ``peer`` came on; libzmq then frees what it queued for it. False if it cannot.
+
+        ROUTER has no call to drop one peer: the connection's descriptor (from
+        ``ZMQ_SRCFD``) is shut down, not closed, so libzmq's I/O thread sees the
+        connection end, closes the descriptor itself and frees the peer's
+        queue, as for a peer that went away; every other connection is
+        untouched. Read the monitor first (:meth:`disconnected`): a descriptor
+        whose connection closed may since have been reused, which the check of
+        the remote address guards against as well.
+        """
+        fd = self._peer_fds.get(peer)
+        if fd is None:
+            return False
+        try:
+            connection = socket.socket(fileno=fd)
+        except OSError:
+            return False
+        try:
+            if _host(connection.getpeername()) != _host_of(self._addresses.get(peer, "")):
+                return False
+            connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+        finally:
+            connection.detach()  # libzmq owns the descriptor: never close it here
+        return True
 
     def disconnected(self) -> list[bytes]:
         """Routing ids whose connection closed since the last call.
@@ -108,6 +144,7 @@ class Router:
             gone = [peer for peer, fd in self._peer_fds.items() if fd == event["value"]]
             for peer in gone:
                 del self._peer_fds[peer]
+                self._addresses.pop(peer, None)
             peers += gone
 
     def send(self, peer: bytes, frames: list[Any]) -> bool:
@@ -156,3 +193,13 @@ def _peer_address(frame: zmq.Frame) -> str:
         return str(frame.get("Peer-Address"))
     except (zmq.ZMQError, AttributeError):
         return "unknown peer"
+
+
+def _host(name: Any) -> str:
+    """The host of a socket's remote address (an IPv4 address mapped into IPv6 as plain IPv4)."""
+    host = str(name[0]) if isinstance(name, tuple) else str(name)
+    return host.removeprefix("::ffff:")
+
+
+def _host_of(address: str) -> str:
+    return address.removeprefix("::ffff:").strip("[]")

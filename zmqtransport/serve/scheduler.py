@@ -203,6 +203,7 @@ class Scheduler:
         limits: Limits | None = None,
         make_token: Callable[[], bytes] | None = None,
         is_local: Callable[[str], bool] = is_local_address,
+        curve: bool = False,
     ) -> None:
         self.relay_loopback = shared_relaying.RELAY_LOOPBACK  # read here: tests patch the module
         self.is_local = is_local  # whether a peer address belongs to this host
@@ -216,7 +217,7 @@ class Scheduler:
         self.withdrawals = Withdrawals(self.stall, timeout)  # also the staged step's readers
         self.transfers: dict[Key, Transfer] = {}
         self.parked: list[Parked] = []
-        self.swarm = Swarm()  # receivers of the staged step that offered to relay
+        self.swarm = Swarm(curve)  # receivers of the staged step that offered to relay (curve: this side's own)
         self.relaying = RelayedSteps(self.limits.parked)  # steps this side relays (as a receiver)
         self._rebound_at = float("-inf")
 
@@ -305,6 +306,11 @@ class Scheduler:
                 transfer.last_progress = now
             if transfer.peer in peers:
                 transfer.paused = False  # its connection drains
+
+    def resume(self) -> None:
+        """Transfers paused at this side's copy bound may try again (the pump pauses them anew if need be)."""
+        for transfer in self.transfers.values():
+            transfer.paused = False
 
     def disconnected(self, peer: bytes) -> list[Transfer]:
         """The connection of ``peer`` closed: its transfers cannot complete. Returns them, forgotten.

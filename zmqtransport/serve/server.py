@@ -44,7 +44,8 @@ from ..relayed import Relayed
 from ..stats import DisallowStats, TransferStats
 from .digests import DigestWork
 from .disallows import Disallows, SnapshotTaken
-from .frames import HeldFrames
+from .frames import QUEUED_COPIES, HeldFrames
+from .notices import Notices
 from .outbox import Outbox, SentLog
 from .pump import DataPump
 from .router import Configure, Router
@@ -142,6 +143,8 @@ class Server:
         staging: DeviceStaging | None = None,
         stall: float | None = None,
         snapshot_bytes: int | None = None,
+        queue_bytes: int = QUEUED_COPIES,
+        curve: bool = False,
     ) -> None:
         self._timeout = timeout
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -153,7 +156,7 @@ class Server:
             self._wake.close()
             raise
         try:
-            self._start(timeout, stall, staging, snapshot_bytes)
+            self._start(timeout, stall, staging, snapshot_bytes, queue_bytes, curve)
         except BaseException:
             # Nothing half-built may outlive a failed construction: an open
             # socket would make the owner's Context.term() wait forever.
@@ -161,21 +164,31 @@ class Server:
             self._wake.close()
             raise
 
-    def _start(self, timeout: float, stall: float | None, staging: DeviceStaging | None, cap: int | None) -> None:
+    def _start(
+        self,
+        timeout: float,
+        stall: float | None,
+        staging: DeviceStaging | None,
+        cap: int | None,
+        queue_bytes: int,
+        curve: bool,
+    ) -> None:
         self.port = self._router.port
         self.bound = self._router.bound  # (bind host, port) of every address listened on
-        self._scheduler = Scheduler(timeout, stall)
-        self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall)
+        # curve: relay offers are believed only with this side's own security (serve/swarm.py).
+        self._scheduler = Scheduler(timeout, stall, curve=curve)
+        self._held: HeldFrames[zmq.MessageTracker] = HeldFrames(self._scheduler.stall, copies=queue_bytes)
         # Device memory goes out through the stager's pinned ring; the serving
         # thread alone uses it, its side streams included (device/).
         staging = staging if staging is not None else DeviceStaging()
         self._stager = SendStager(staging)
         self._disallows = Disallows(self._scheduler, self._stager, staging, self._held, timeout, cap, self._command)
-        self._pump = DataPump(self._scheduler, self._router, self._stager, self._held)
+        self._notices = Notices(logger)  # WARNINGs about peers: one per peer and kind, repeats summed up
+        self._pump = DataPump(self._scheduler, self._router, self._stager, self._held, self._notices)
         self._digests = DigestWork(self._scheduler, self._router)
         self._hashing_due = False  # digest requests have bytes left to hash now
         self._sent = SentLog()
-        self._outbox = Outbox(self._router, self._scheduler, self._sent)
+        self._outbox = Outbox(self._router, self._scheduler, self._sent, self._notices)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"zmqtransport-serve-{self.port}", daemon=True)
         self._thread.start()
@@ -305,8 +318,10 @@ class Server:
                 return
             match command:
                 case StageCommand(staged):
+                    self._notices.flush()  # what peers did while the step before was served
                     self._outbox.execute(self._scheduler.stage(staged, time.monotonic()))
                 case DisallowCommand(done, stats):
+                    self._notices.flush()
                     self._disallows.begin(done, stats)
                 case StopCommand():
                     self._stopping = True
@@ -329,7 +344,7 @@ class Server:
             try:
                 request = wire.decode_request(frames[0].buffer)
             except ProtocolError as exc:
-                logger.warning("bad request from %s: %s", address, exc)
+                self._notices.warn(address, "bad request", time.monotonic(), "bad request from %s: %s", address, exc)
                 self._outbox.execute([Refuse(peer, 0, exc.code, str(exc))])
                 continue
             self._outbox.execute(self._scheduler.on_request(peer, request, address, time.monotonic()))
@@ -338,13 +353,19 @@ class Server:
         for peer in self._router.disconnected():
             for transfer in self._scheduler.disconnected(peer):
                 step, address = transfer.staged.step, transfer.address
-                logger.warning("dropping transfer of step %d to %s: its connection closed", step, address)
+                message = "dropping transfer of step %d to %s: its connection closed"
+                self._notices.warn(address, "connection closed mid-transfer", time.monotonic(), message, step, address)
 
     def _housekeeping(self) -> bool:
         """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
         now = time.monotonic()
         self._scheduler.progress(self._held.poll(now), now)
+        if self._held.resumed():
+            self._scheduler.resume()  # copies were released: transfers held back at the copy bound try again
         self._outbox.execute(self._scheduler.expire(now))
+        self._cut_stuck(now)
+        if self._notices.due(now):
+            self._notices.flush()
         self._disallows.settle()
         self._stager.retain(self._disallows.device_transfers())
         self._held.retain({peer for peer, _ in self._scheduler.transfers})
@@ -364,8 +385,32 @@ class Server:
         self._scheduler.rebound(time.monotonic())
         return True
 
+    def _cut_stuck(self, now: float) -> None:
+        """Cut the connections that hold queued frames and took none for the stall bound.
+
+        Their peers asked (or granted credit) and do not read: closing that one
+        connection frees what libzmq queued for it, everyone else's untouched.
+        Where its descriptor is not known, the socket-wide release below
+        (:meth:`HeldFrames.must_close`) still frees what references the tensors.
+        """
+        stuck = self._held.stuck(now)
+        if not stuck:
+            return
+        self._drop_disconnected()  # first: a closed connection's descriptor may be reused
+        for peer in stuck:
+            queued = self._held.queued(peer)
+            address = self._router.address_of(peer)
+            if not self._router.cut(peer):
+                continue
+            self._held.cutting(peer)
+            gone = self._scheduler.disconnected(peer)
+            message = "cut the connection of %s: %d bytes queued for it, it took none for %.1f s (%d transfers ended)"
+            stall = self._scheduler.stall
+            self._notices.warn(address, "connection cut", now, message, address, queued, stall, len(gone))
+
     def _shutdown_in_thread(self) -> None:
         self._outbox.execute(self._scheduler.shutdown())
+        self._notices.flush()
         self._router.close()
         for tracker in self._held.trackers():
             try:

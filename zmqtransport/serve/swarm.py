@@ -16,12 +16,18 @@ all of them. Pure: the serving thread owns it. What a member serves is
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from .. import digests, wire
 from ..bitsets import lowest_from, run, run_length
 from ..net import parse_metadata
+
+# The metadata parameter of a CurveZMQ server key (zmqtransport.security.METADATA_KEY), and its z85 form.
+CURVE_PARAM = "curve"
+Z85_KEY_CHARS = 40
+_Z85_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+_Z85_DIGITS = {char: value for value, char in enumerate(_Z85_ALPHABET)}
 
 # Members one swarm remembers (the oldest go first); far above any realistic
 # number of replicas recovering at once from one source.
@@ -40,7 +46,10 @@ class Member:
 class Swarm:
     """The members of the staged step's swarm."""
 
-    def __init__(self) -> None:
+    def __init__(self, curve: bool = False) -> None:
+        # Whether this side serves with CurveZMQ: an offer is believed only with the same
+        # security (a member's metadata the next receivers could not use would fail them).
+        self.curve = curve
         self.members: list[Member] = []
         # By token: what a member offered, and the addresses its connections came from.
         self.offers: dict[bytes, tuple[str, frozenset[str]]] = {}
@@ -77,7 +86,7 @@ class Swarm:
         verify, and is sent to no other member). None: no path of the offer is
         on that host (:func:`believable_offer`); it is served directly.
         """
-        at = believable_offer(offer, [address])
+        at = believable_offer(offer, [address], self.curve)
         if at is None:
             return None
         order = self.join(peer, at, token, follows=algorithm is not None)
@@ -93,7 +102,7 @@ class Swarm:
             return
         addresses |= {address}
         self.offers[token] = (offer, addresses)
-        at = believable_offer(offer, addresses)
+        at = believable_offer(offer, addresses, self.curve)
         if at is not None:
             self.members = [replace(m, at=at) if m.token == token else m for m in self.members]
 
@@ -146,7 +155,7 @@ class Swarm:
         return tuple((member.at, member.token) for member in members[-wire.MAX_PEERS :])
 
 
-def believable_offer(offer: str, addresses: str | Iterable[str]) -> str | None:
+def believable_offer(offer: str, addresses: str | Iterable[str], curve: bool = False) -> str | None:
     """An offer to relay (a metadata string) kept to the paths on ``addresses``, those its connections come from.
 
     Anyone who reaches the source may offer: believed as it stands, an offer
@@ -155,7 +164,8 @@ def believable_offer(offer: str, addresses: str | Iterable[str]) -> str | None:
     send them back to the host that asked. Hosts are compared as IP addresses
     (an IPv4 peer on a dual-stack socket reads ``::ffff:10.0.0.7``); a path
     named by a hostname is not kept (the source resolves no names). None when
-    no path is left or the offer does not parse.
+    no path is left or the offer does not parse, or when its parameters are not
+    what the source's own receivers can use (:func:`usable_params`).
     """
     seen = {_ip(address) for address in ([addresses] if isinstance(addresses, str) else addresses)} - {None}
     if not seen:
@@ -164,11 +174,44 @@ def believable_offer(offer: str, addresses: str | Iterable[str]) -> str | None:
         parsed = parse_metadata(offer)
     except ValueError:
         return None
+    if not usable_params(parsed.params, curve):
+        return None
     kept = [path for path in parsed.paths if _ip(path.host) in seen]
     if not kept:
         return None
     first, *more = kept
     return replace(parsed, host=first.host, port=first.port, more_paths=tuple(more)).to_metadata()
+
+
+def usable_params(params: Mapping[str, str], curve: bool) -> bool:
+    """Whether an offer's metadata parameters are the source's own security: the next receivers can use it.
+
+    The receivers of one source are configured like it (a job secret, or none):
+    an offer asking for CurveZMQ of a source without it (or one without a key
+    from a source with it) would make every receiver sent there fail, so it is
+    not believed. With CurveZMQ the key must be well-formed; no other
+    parameter is known.
+    """
+    if set(params) - {CURVE_PARAM}:
+        return False
+    key = params.get(CURVE_PARAM)
+    if key is None:
+        return not curve
+    return curve and _is_z85_key(key)
+
+
+def _is_z85_key(text: str) -> bool:
+    """Whether ``text`` is a CurveZMQ public key in z85 (40 characters, each group of five under 2**32),
+    as :func:`zmqtransport.security.check_public_key` accepts; here without zmq, which this module needs not."""
+    if len(text) != Z85_KEY_CHARS or any(char not in _Z85_DIGITS for char in text):
+        return False
+    for at in range(0, Z85_KEY_CHARS, 5):
+        value = 0
+        for char in text[at : at + 5]:
+            value = value * 85 + _Z85_DIGITS[char]
+        if value >= 1 << 32:
+            return False
+    return True
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

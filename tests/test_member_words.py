@@ -1,0 +1,76 @@
+"""What a swarm member says is checked where it enters: an offer the next receivers cannot use is not believed.
+
+A member's relay offer is a metadata string the source hands to the receivers
+that come after it. Modified peer code in a real process offers one that asks
+for CurveZMQ of a source (and receivers) without it: believed, every later
+receiver was sent there and its ``recv_checkpoint`` raised ``ValueError`` at
+once, nothing landed. The source now believes an offer only with its own
+security settings (serve/swarm.py, ``usable_params``), so the honest receiver
+is served, bit-exact. On loopback, with the source chaining local receivers as
+the tests of the swarm do (``RELAY_LOOPBACK``).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+import torch
+import zmq
+
+from zmqtransport import ZMQTransport, digests, relayed, security, wire
+from zmqtransport.net import parse_metadata
+
+from .conftest import Processes, assert_same
+
+pytestmark = pytest.mark.timeout(120)
+
+LOOPBACK = "127.0.0.1"
+TIMEOUT = timedelta(seconds=30)
+
+
+def _offer_what_nobody_can_use(metadata: str, joined: Any, seconds: float) -> None:
+    """Modified peer code: a header fetch whose relay offer asks for CurveZMQ, then it stays connected."""
+    address = parse_metadata(metadata)
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://{address.host}:{address.port}")
+    listener = context.socket(zmq.ROUTER)  # something listens where it offers, as a member would
+    port = listener.bind_to_random_port(f"tcp://{LOOPBACK}")
+    key = quote(security.generate_keypair().public.decode(), safe="")
+    offer = f"tcp://{LOOPBACK}:{port}?curve={key}"
+    dealer.send(wire.fetch_request(1, 1, 1000, 4, False, header_only=True, relay=offer, verify=digests.offered()))
+    dealer.poll(10_000)
+    joined.set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:  # bounded: it stops by itself
+        time.sleep(0.05)
+    context.destroy(linger=0)
+
+
+def test_an_offer_the_next_receivers_cannot_use_fails_nobody(
+    processes: Processes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)  # chain local receivers, as across hosts
+    want = {"w": torch.arange(1 << 20, dtype=torch.float32), "step": 1}
+    source: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
+    honest: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
+    joined = processes.Event()
+    member = None
+    try:
+        source.send_checkpoint([1, 2], 1, want, TIMEOUT)
+        member = processes.Process(target=_offer_what_nobody_can_use, args=(source.metadata(), joined, 20.0))
+        member.start()
+        assert joined.wait(30), "the modified member never got its header"
+        assert source._server._scheduler.swarm.members == [], "an offer nobody can use was believed"
+        assert_same(honest.recv_checkpoint(0, source.metadata(), 1, TIMEOUT), want)
+    finally:
+        if member is not None:
+            member.kill()
+            member.join(10)
+        honest.shutdown()
+        source.shutdown()
