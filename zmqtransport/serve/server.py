@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -42,14 +42,17 @@ from ..device import DeviceStaging, SendStager
 from ..errors import ProtocolError
 from ..relayed import Relayed
 from ..stats import DisallowStats, TransferStats
+from .actions import Refuse
 from .digests import DigestWork
 from .disallows import Disallows, SnapshotTaken
 from .frames import HeldFrames
 from .outbox import Outbox, SentLog
 from .pump import DataPump
 from .router import Configure, Router
-from .scheduler import Refuse, Scheduler
-from .staged import Staged
+from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .staged import Staged
 
 # The sending side logs under one name (the receiving side: "zmqtransport.fetch").
 logger = logging.getLogger("zmqtransport.serve")
