@@ -10,6 +10,8 @@ that is, aside). Read from the source with ``ast``: nothing is imported.
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "zmqtransport"
@@ -27,24 +29,30 @@ def module_name(path: Path) -> str:
 
 def imports_of(path: Path) -> set[str]:
     """Every zmqtransport module ``path`` imports (top level or inside functions)."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.startswith("zmqtransport"))
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            if not base.startswith("zmqtransport"):
-                continue
-            # `from pkg import mod` imports the module; `from mod import name`, the module.
-            found.update(f"{base}.{a.name}" if is_module(f"{base}.{a.name}") else base for a in node.names)
-    found.discard(name)
+            found.update(imported_from(path, node, alias) for alias in node.names)
+    found = {module for module in found if module.startswith("zmqtransport")}
+    found.discard(module_name(path))
     return found
+
+
+def imported_from(path: Path, node: ast.ImportFrom, alias: ast.alias) -> str:
+    """The module that ``from ... import alias`` in ``path`` imports, by its absolute name.
+
+    `from pkg import mod` imports the module; `from mod import name`, the module.
+    """
+    base = node.module or ""
+    if node.level:
+        name = module_name(path)
+        anchor = (name if path.name == "__init__.py" else name.rsplit(".", 1)[0]).split(".")
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join([*anchor, base] if base else anchor)
+    dotted = f"{base}.{alias.name}"
+    return dotted if base.startswith("zmqtransport") and is_module(dotted) else base
 
 
 def is_module(dotted: str) -> bool:
@@ -146,3 +154,162 @@ def test_each_wing_logs_under_its_own_name() -> None:
                 if names != [wing]:
                     wrong.append((module_name(path), names or ast.unparse(node)))
     assert not wrong, wrong
+
+
+# ----------------------------------------------------------------------------- serve/ and torch
+
+SERVE = PACKAGE / "serve"
+# The serve/ modules that import torch themselves, each with what it does with it at run time.
+# Every other serve/ module reaches tensors only through these (or through device/ and codec/).
+SERVE_TORCH_IMPORTERS = {
+    "zmqtransport.serve.snapshot": "copies what running receives still need into host tensors (torch.empty, "
+    "one copy engine per torch.device)",
+}
+
+
+def is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def run_at_import(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements of ``body`` that run when the module is imported (not those of
+    functions, nor those under ``if TYPE_CHECKING:``)."""
+    found: list[ast.stmt] = []
+    for node in body:
+        found.append(node)
+        if isinstance(node, ast.If):
+            found += ([] if is_type_checking(node) else run_at_import(node.body)) + run_at_import(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                found += run_at_import(block)
+        elif isinstance(node, ast.ClassDef):
+            found += run_at_import(node.body)
+    return found
+
+
+def imported_at_import(path: Path) -> list[tuple[str, str]]:
+    """(module, name it binds) for each import ``path`` runs when it is imported."""
+    found: list[tuple[str, str]] = []
+    for node in run_at_import(ast.parse(path.read_text()).body):
+        if isinstance(node, ast.Import):
+            found += [(a.name, a.asname or a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found += [(imported_from(path, node, a), a.asname or a.name) for a in node.names]
+    return found
+
+
+def source_of(module: str) -> Path:
+    where = PACKAGE.parent / Path(*module.split("."))
+    return where / "__init__.py" if where.is_dir() else where.with_suffix(".py")
+
+
+def loads_torch(module: str, seen: frozenset[str] = frozenset()) -> bool:
+    """Whether importing ``module`` imports torch: itself, or through a zmqtransport module that does."""
+    if module == "torch" or module.startswith("torch."):
+        return True
+    if not module.startswith("zmqtransport") or not is_module(module) or module in seen:
+        return False
+    return any(loads_torch(target, seen | {module}) for target, _ in imported_at_import(source_of(module)))
+
+
+def names_used_at_run_time(tree: ast.Module) -> set[str]:
+    """Names the module reads outside annotations and ``if TYPE_CHECKING:`` blocks
+    (with ``from __future__ import annotations`` an annotation is never evaluated)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            skipped.add(id(node.annotation))
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
+            skipped.add(id(node.returns))
+        elif isinstance(node, ast.AnnAssign):
+            skipped.add(id(node.annotation))
+        elif isinstance(node, ast.If) and is_type_checking(node):
+            skipped.update(id(statement) for statement in node.body)
+    used: set[str] = set()
+    pending: list[ast.AST] = [tree]
+    while pending:
+        node = pending.pop()
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            used.add(node.id)
+        pending.extend(ast.iter_child_nodes(node))
+    # A package's face hands on the names it lists: that is its use of them.
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in statement.targets):
+            used.update(e.value for e in ast.walk(statement.value) if isinstance(e, ast.Constant))
+    return used
+
+
+def test_only_the_listed_serve_modules_import_torch_and_they_use_it_at_run_time() -> None:
+    importers = {}
+    for path in SERVE.rglob("*.py"):
+        bound = [name for module, name in imported_at_import(path) if module == "torch" or module.startswith("torch.")]
+        if bound:
+            importers[module_name(path)] = bound
+    assert sorted(importers) == sorted(SERVE_TORCH_IMPORTERS), (
+        f"serve/ modules that import torch: {sorted(importers)}; each is listed in SERVE_TORCH_IMPORTERS with its use"
+    )
+    unused = {
+        module: names
+        for module, names in importers.items()
+        if not set(names) & names_used_at_run_time(ast.parse(source_of(module).read_text()))
+    }
+    assert not unused, f"these import torch only for annotations: put the import under `if TYPE_CHECKING:` {unused}"
+
+
+def test_no_serve_module_imports_torch_through_another_just_for_a_type() -> None:
+    """An import that brings torch in (a module that imports it, or one that imports such a module) is
+    run only where one of the names it binds is used at run time; one needed for annotations alone goes
+    under ``if TYPE_CHECKING:``, so the pure scheduler and its records do not pull torch in for a type."""
+    offenders = []
+    for path in SERVE.rglob("*.py"):
+        used = names_used_at_run_time(ast.parse(path.read_text()))
+        bound: dict[str, set[str]] = {}
+        for module, name in imported_at_import(path):
+            bound.setdefault(module, set()).add(name)
+        offenders += [
+            (module_name(path), module, sorted(names))
+            for module, names in bound.items()
+            if not names & used and loads_torch(module)
+        ]
+    assert not offenders, f"imported for annotations only, each bringing torch in: {sorted(offenders)}"
+
+
+# ----------------------------------------------------------------------------- class size
+
+MAX_CLASS_CODE_LINES = 240
+
+
+def code_lines(source: str, node: ast.ClassDef) -> int:
+    """Lines of ``node`` (its decorators too) that hold code: blanks, comments and docstrings aside."""
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    assert node.end_lineno is not None
+    docstrings: set[int] = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and ast.get_docstring(inner):
+            doc = inner.body[0]
+            assert doc.end_lineno is not None
+            docstrings.update(range(doc.lineno, doc.end_lineno + 1))
+    lines: set[int] = set()
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skip:
+            lines.update(range(max(first, token.start[0]), min(node.end_lineno, token.end[0]) + 1))
+    return len(lines - docstrings)
+
+
+def test_no_serve_class_is_over_240_lines_of_code() -> None:
+    """A class past 240 lines of code holds more than one role (the review's measure; serve/ keeps to it)."""
+    sizes = {}
+    for path in SERVE.rglob("*.py"):
+        source = path.read_text()
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                sizes[f"{module_name(path)}.{node.name}"] = code_lines(source, node)
+    over = {name: size for name, size in sizes.items() if size > MAX_CLASS_CODE_LINES}
+    assert not over, f"split these by role: {over}"

@@ -17,19 +17,10 @@ import pytest
 from zmqtransport import wire
 from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.errors import ProtocolError, VersionMismatchError
+from zmqtransport.serve.actions import Abort, Action, Finish, Have, Refuse, SendHeader
+from zmqtransport.serve.admission import Limits
 from zmqtransport.serve.frames import HeldFrames
-from zmqtransport.serve.scheduler import (
-    IDLE_WAKEUP,
-    RELAY_REGISTER_GRACE,
-    Abort,
-    Action,
-    Finish,
-    Have,
-    Limits,
-    Refuse,
-    Scheduler,
-    SendHeader,
-)
+from zmqtransport.serve.scheduler import IDLE_WAKEUP, RELAY_REGISTER_GRACE, Scheduler
 from zmqtransport.serve.staged import Staged
 
 TIMEOUT = 10.0

@@ -30,10 +30,11 @@ from zmqtransport.fetch.checking import AHEAD_PATIENCE, AHEAD_REQUESTS, AHEAD_RU
 from zmqtransport.fetch.spans import DEPTH, HELD, LANDED, MISSING, SpanBook
 from zmqtransport.fetch.verify import DigestBook, Verdict
 from zmqtransport.net import parse_metadata
-from zmqtransport.serve import scheduler, swarm
+from zmqtransport.serve import actions, scheduler, swarm
+from zmqtransport.serve.actions import SendHeader
 from zmqtransport.serve.digests import DigestWork
 from zmqtransport.serve.router import Router
-from zmqtransport.serve.scheduler import Scheduler, SendHeader
+from zmqtransport.serve.scheduler import Scheduler
 from zmqtransport.serve.staged import Staged
 from zmqtransport.testing import FakeDevice
 
@@ -405,7 +406,7 @@ def forging(monkeypatch: pytest.MonkeyPatch) -> None:
 def refusing(code: str) -> Any:
     def patch(monkeypatch: pytest.MonkeyPatch) -> None:
         def refuse(self: Scheduler, peer: bytes, request: wire.Request, address: str, now: float) -> Any:
-            return [scheduler.Refuse(peer, request.xfer, code, "rogue")]
+            return [actions.Refuse(peer, request.xfer, code, "rogue")]
 
         monkeypatch.setattr(Scheduler, "_start_relayed", refuse)
 

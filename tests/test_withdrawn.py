@@ -14,8 +14,9 @@ import torch
 
 from zmqtransport import wire
 from zmqtransport.device import DeviceStaging
+from zmqtransport.serve.actions import Have
 from zmqtransport.serve.frames import PAUSED_POLL, PINNED_DRAIN, HeldFrames
-from zmqtransport.serve.scheduler import Have, Scheduler
+from zmqtransport.serve.scheduler import Scheduler
 from zmqtransport.serve.snapshot import BATCH_BYTES, Run, Snapshot, plan_runs, take
 from zmqtransport.serve.staged import Staged, stage
 from zmqtransport.serve.withdrawn import RECHECK, Withdrawn

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import relayed, wire
-from ..serve import scheduler
+from ..serve import actions, scheduler
 
 MODES = ("flip", "error", "silent", "shutdown", "hoard")
 
@@ -49,7 +49,7 @@ def become_rogue(mode: str) -> None:
     elif mode == "error":
 
         def refuse(self: scheduler.Scheduler, peer: bytes, request: wire.Request, address: str, now: float) -> Any:
-            return [scheduler.Refuse(peer, request.xfer, wire.ERR_STALLED, "rogue")]
+            return [actions.Refuse(peer, request.xfer, wire.ERR_STALLED, "rogue")]
 
         scheduler.Scheduler._start_relayed = refuse  # type: ignore[method-assign]
     elif mode == "silent":

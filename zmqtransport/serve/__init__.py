@@ -7,6 +7,9 @@
                                              ▼                         │
                                            scheduler.Scheduler (pure: transfers, credit,
                                              parked requests, limits, stalls)
+    transfers       what the scheduler holds (Transfer, Parked); actions: what it returns
+    admission       the limits (Limits) and every refusal of a request as it arrives (pure)
+    relayed_steps.RelayedSteps (pure) the steps this side relays as a swarm member, by token
     router.Router   the ROUTER socket (options, bind, rebind on the same port)
     outbox.Outbox   carries out the scheduler's actions on the socket; SentLog of finished sends
     pump.DataPump   data messages for the transfers the scheduler offers (device staging)

@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import wire
 from ..digests import Algorithm, Hasher
 from .router import Router
-from .scheduler import Key, Scheduler, Transfer
 from .snapshot import Snapshot
 from .staged import Staged
+from .transfers import Key, Transfer
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
 
 # What digests are computed from: a staging, or the copy a disallow left its running receives.
 Hashed = Staged | Snapshot

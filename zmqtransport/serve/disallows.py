@@ -20,15 +20,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..device import DeviceStaging, SendStager
 from ..stats import DisallowStats
 from . import snapshot
 from .frames import HeldFrames
-from .scheduler import Key, Scheduler
 from .snapshot import Snapshot
-from .withdrawn import Withdrawn
+from .transfers import Key
+
+if TYPE_CHECKING:
+    from ..device import DeviceStaging, SendStager
+    from .scheduler import Scheduler
+    from .withdrawn import Withdrawn
 
 logger = logging.getLogger("zmqtransport.serve")
 

@@ -9,12 +9,17 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from .. import wire
 from ..stats import TransferStats
+from .actions import Abort, Action, Finish, Have, Refuse, SendHeader
 from .notices import Notices
 from .router import Router
-from .scheduler import Abort, Action, Finish, Have, Key, Refuse, Scheduler, SendHeader, Transfer
+from .transfers import Key, Transfer
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
 
 logger = logging.getLogger("zmqtransport.serve")
 

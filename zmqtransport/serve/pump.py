@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from .. import wire
-from ..device import SendStager
 from ..relayed import RelayStopped
+from .actions import Action
 from .digests import envelope_digest
 from .frames import HeldFrames
 from .notices import Notices
 from .router import Router
-from .scheduler import Action, Scheduler, Transfer
+from .transfers import Transfer
+
+if TYPE_CHECKING:
+    from ..device import SendStager
+    from .scheduler import Scheduler
 
 logger = logging.getLogger("zmqtransport.serve")
 

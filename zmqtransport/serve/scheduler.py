@@ -3,8 +3,10 @@
 The :class:`Scheduler` is pure: no zmq, no threads, no clock of its own. The
 socket owner (:mod:`zmqtransport.serve.server`) feeds it events (a request, a
 staged step, a disallow, a delivered data message, the passing of time, each
-with an explicit ``now``) and carries out the actions it returns: error
-replies, headers, ends of transfers. Tests drive it with a fake clock.
+with an explicit ``now``) and carries out the actions it returns
+(:mod:`.actions`): error replies, headers, ends of transfers. Tests drive it
+with a fake clock. What it holds are :mod:`.transfers`; whether a request is
+let in, :mod:`.admission`; the steps this side relays, :mod:`.relayed_steps`.
 
 Flow control (docs/protocol.md, "Flow control"): a transfer may send while it
 has credit; :meth:`Scheduler.next_round` offers one data message per transfer
@@ -14,36 +16,19 @@ per round, so concurrent receivers share the link.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from .. import digests, wire
 from .. import relayed as shared_relaying
 from ..net import is_local_address
 from ..relayed import Relayed
-from .snapshot import Snapshot
+from .actions import Abort, Action, Finish, Have, Refuse, SendHeader
+from .admission import Limits, busy_reason, digest_transfer, start_refusal
+from .relayed_steps import RelayedSteps
 from .staged import Served, Staged
 from .swarm import Swarm
+from .transfers import Hashing, Key, Parked, Transfer, stalled, transfer_hashing
 from .withdrawn import Withdrawals
-
-Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds on what one server holds at once (docs/protocol.md, error code ``busy``)."""
-
-    transfers_per_peer: int = 4
-    transfers: int = 64
-    parked: int = 256
-    # Digest requests (small, answered within a few rounds) have bounds of their own.
-    digests_per_peer: int = 16
-    digests: int = 256
-    # After a forced rebind, how long a parked request whose receiver has not
-    # reconnected yet is kept for another try (DEALERs reconnect every 100 ms),
-    # and the least a withdrawn staging's readers are kept to ask again.
-    rebind_grace: float = 5.0
-
 
 # Seconds the socket owner may sleep when nothing is due, and between retries of
 # requests re-parked after a rebind.
@@ -53,144 +38,6 @@ IDLE_WAKEUP = 1.0
 # for it (the receive registers it as soon as it has parsed the header).
 RELAY_REGISTER_GRACE = 2.0
 REPARKED_RETRY = 0.02
-
-
-@dataclass(frozen=True)
-class Hashing:
-    """A transfer hashes each message it sends (:mod:`.digests`); ``inline``: the digest goes in its envelope."""
-
-    algorithm: digests.Algorithm
-    inline: bool
-
-
-@dataclass
-class Transfer:
-    """One receiver's running fetch of the staged step."""
-
-    peer: bytes
-    xfer: int
-    staged: Served  # what it sends: the staged step, a withdrawn one's snapshot, or a step this side relays
-    credit: int
-    address: str
-    started: float
-    last_progress: float  # when credit last arrived, libzmq last released a frame, or it started
-    next_seq: int = 0
-    stop: int = -1  # one past the last data message to send; -1: the whole plan
-    span: bool = False  # a span fetch (part of a striped receive): no header was sent
-    # Its connection holds what a disallow should wait for at most (serve/frames.py):
-    # it sends again once a frame of that connection is released.
-    paused: bool = False
-    hashing: Hashing | None = None
-    # A digest request: answered with the span's digests (serve.digests.DigestWork), no data.
-    digests_only: bool = False
-
-    def __post_init__(self) -> None:
-        self.first = self.next_seq
-        if self.stop < 0:
-            self.stop = self.staged.messages
-
-    @property
-    def key(self) -> Key:
-        return (self.peer, self.xfer)
-
-    def grant(self, credit: int, now: float) -> None:
-        """The receiver granted ``credit`` more data messages (at most :data:`wire.MAX_CREDIT` held)."""
-        self.credit = min(wire.MAX_CREDIT, self.credit + credit)
-        self.last_progress = now
-
-    @property
-    def done(self) -> bool:
-        return self.next_seq >= self.stop
-
-    @property
-    def sendable(self) -> bool:
-        return (
-            self.credit > 0
-            and not self.paused
-            and not self.done
-            and not self.digests_only
-            and self.staged.available(self.next_seq)
-        )
-
-
-@dataclass(frozen=True)
-class Parked:
-    """A fetch that arrived while nothing was staged; it waits until ``deadline``."""
-
-    peer: bytes
-    request: wire.Request
-    deadline: float
-    address: str
-
-    @property
-    def key(self) -> Key:
-        return (self.peer, self.request.xfer)
-
-
-@dataclass(frozen=True)
-class Refuse:
-    """Answer a request with an error reply; report a failed send with :meth:`Scheduler.undelivered`."""
-
-    peer: bytes
-    xfer: int
-    code: str
-    message: str
-    parked: Parked | None = None  # the parked request this answers, if any
-
-    @property
-    def key(self) -> Key:
-        return (self.peer, self.xfer)
-
-
-@dataclass(frozen=True)
-class Abort:
-    """End a running transfer with an error reply (the transfer is already forgotten)."""
-
-    transfer: Transfer
-    code: str
-    message: str
-
-
-@dataclass(frozen=True)
-class SendHeader:
-    """Send the header of the staged step; report a failed send with :meth:`Scheduler.undelivered`."""
-
-    peer: bytes
-    xfer: int
-    header_body: bytes
-    header_only: bool  # the receiver asked for the header alone: send ``end`` right after it
-    parked: Parked | None  # the parked request this starts, if any
-    stage_id: int | None = None  # the staging's id (announces that span fetches are served)
-    relay: wire.RelayOrder | None = None  # for a receiver that offered to relay
-    digest: str | None = None  # for a receiver that offered to verify: the algorithm of its digests
-
-    @property
-    def key(self) -> Key:
-        return (self.peer, self.xfer)
-
-
-@dataclass(frozen=True)
-class Have:
-    """Answer a ``have`` request: what this side holds (None: everything) and, as the source, the swarm."""
-
-    peer: bytes
-    xfer: int
-    bits: int | None
-    messages: int
-    peers: tuple[wire.Peer, ...] = ()
-    coming: int = 0
-    claimed: tuple[int, ...] | None = None  # to a member's claim: what the swarm reserved for it
-
-
-@dataclass(frozen=True)
-class Finish:
-    """Every data message went out: send ``end`` and record the transfer."""
-
-    transfer: Transfer
-    seconds: float
-
-
-Action = Refuse | Abort | SendHeader | Finish | Have
 
 
 class Scheduler:
@@ -497,199 +344,3 @@ class Scheduler:
     def _abort(self, transfer: Transfer, code: str, message: str) -> Abort:
         self.transfers.pop(transfer.key, None)
         return Abort(transfer, code, message)
-
-
-def start_refusal(request: wire.Request, staged: Staged, busy: str | None) -> tuple[str | None, str]:
-    """Why a fetch of the staged step is refused, if it is; ``busy``: why the limits refuse it."""
-    code, message = span_refusal(request, staged)
-    if code is not None:
-        return code, message
-    if staged.tree.has_pickle and not request.accept_pickle:
-        return wire.ERR_PICKLE, f"step {staged.step} holds pickled objects and the receiver does not accept pickle"
-    return (None, "") if busy is None else (wire.ERR_BUSY, busy)
-
-
-def busy_reason(transfers: Iterable[Transfer], peer: bytes, limits: Limits) -> str | None:
-    """Why one more data transfer from ``peer`` would exceed the limits (None: it would not).
-
-    Digest requests do not count: they have bounds of their own.
-    """
-    data = [t for t in transfers if not t.digests_only]
-    if sum(1 for t in data if t.peer == peer) >= limits.transfers_per_peer:
-        return "too many transfers from this peer"
-    if len(data) >= limits.transfers:
-        return "too many concurrent transfers"
-    return None
-
-
-def stalled(transfer: Transfer, now: float, stall: float) -> str | None:
-    """Why ``transfer`` is stalled (None: it is not): it waited ``stall`` seconds without progress.
-
-    A transfer waits for credit; a digest request, only for device memory
-    hashed as the pump sends it; a paused transfer, for its connection to
-    drain (serve/frames.py).
-    """
-    waiting = transfer.credit == 0 or transfer.digests_only or transfer.paused
-    if not waiting or now - transfer.last_progress <= stall:
-        return None
-    if transfer.digests_only:
-        return f"no digest of message {transfer.next_seq} came within {stall:.1f} s"
-    return f"receiver granted no credit and took no data for {stall:.1f} s"
-
-
-def span_refusal(request: wire.Request, staged: Staged | Snapshot) -> tuple[str | None, str]:
-    """Why a fetch of ``staged`` (a span fetch: its staging and its span too) is refused, if it is."""
-    if request.step != staged.step:
-        return wire.ERR_WRONG_STEP, f"requested step {request.step} but this peer serves step {staged.step}"
-    if request.span is not None:
-        if request.stage != staged.stage_id:
-            return wire.ERR_WRONG_STEP, f"step {staged.step} was staged again since the header was sent"
-        if request.span[1] > staged.messages:
-            return wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the {staged.messages} data messages"
-    return None, ""
-
-
-def transfer_hashing(request: wire.Request, staged: Staged, relays: bool) -> Hashing | None:
-    """Whether a transfer of ``staged`` hashes what it sends (:class:`Hashing`).
-
-    Inline digests when the receiver asked; and the messages sent to a relay
-    of a staging in device memory, whose digests its downstream will ask for
-    and which digest requests cannot read (serve.digests).
-    """
-    algorithm = digests.choose(request.verify)
-    if algorithm is None:
-        return None
-    if request.inline:
-        return Hashing(algorithm, inline=True)
-    if relays and staged.device_plan is not None:
-        return Hashing(algorithm, inline=False)
-    return None
-
-
-def digest_transfer(
-    peer: bytes,
-    request: wire.Request,
-    address: str,
-    now: float,
-    staged: Staged | Snapshot | None,
-    transfers: dict[Key, Transfer],
-    limits: Limits,
-) -> Transfer | Refuse:
-    """A digest request (``digests_only``) of ``staged``: the transfer that answers it, or its refusal."""
-    algorithm = digests.choose(request.verify)
-    code, message = _digest_refusal(peer, request, staged, transfers, limits)
-    if code is not None or staged is None or algorithm is None or request.span is None:
-        return Refuse(peer, request.xfer, code or wire.ERR_BAD_REQUEST, message)
-    first, stop = request.span
-    transfer = Transfer(peer, request.xfer, staged, 1, address, now, now, first, stop, span=True)
-    transfer.hashing, transfer.digests_only = Hashing(algorithm, inline=False), True
-    return transfer
-
-
-def _digest_refusal(
-    peer: bytes,
-    request: wire.Request,
-    staged: Staged | Snapshot | None,
-    transfers: dict[Key, Transfer],
-    limits: Limits,
-) -> tuple[str | None, str]:
-    if staged is None:
-        return wire.ERR_DISALLOWED, f"step {request.step} is no longer served"
-    code, message = span_refusal(request, staged)
-    if code is not None:
-        return code, message
-    if request.span is not None and not all(staged.available(seq) for seq in range(*request.span)):
-        return wire.ERR_DISALLOWED, f"step {request.step} is no longer served"  # a copy without those messages
-    if digests.choose(request.verify) is None:
-        return wire.ERR_BAD_REQUEST, f"no digest algorithm in common (this side has {digests.offered()})"
-    running = [t for t in transfers.values() if t.digests_only]
-    if sum(1 for t in running if t.peer == peer) >= limits.digests_per_peer:
-        return wire.ERR_BUSY, "too many digest requests from this peer"
-    if len(running) >= limits.digests:
-        return wire.ERR_BUSY, "too many digest requests"
-    return None, ""
-
-
-class RelayedSteps:
-    """The steps this side relays (its receives, served onward: :class:`Relayed`), by token.
-
-    Also the span fetches that came for a token not registered yet: they wait
-    (:data:`RELAY_REGISTER_GRACE`) for it; and the tokens this side stopped
-    serving, whose span fetches are refused at once. Pure; the scheduler owns it.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.steps: dict[bytes, Relayed] = {}
-        self.waiting: list[Parked] = []
-        self.limit = limit
-        # Tokens relayed no more (insertion-ordered, the newest `limit`): a member
-        # still asking under one is told at once instead of waiting out the
-        # registration grace, which a finished member's peers paid at every tail.
-        self.stopped: dict[bytes, None] = {}
-
-    def register(self, relayed: Relayed) -> list[Parked]:
-        """Serve ``relayed``; returns the span fetches that waited for its token (forgotten here)."""
-        self.steps[relayed.token] = relayed
-        early = [p for p in self.waiting if p.request.token == relayed.token]
-        self.waiting = [p for p in self.waiting if p.request.token != relayed.token]
-        return early
-
-    def admit(self, fetch: Parked, busy: str | None) -> Relayed | Refuse | None:
-        """A span fetch showing a token: the step to serve it from, its refusal, or None while it waits.
-
-        ``busy``: why the limits refuse it. A fetch for a token not registered
-        yet waits until ``fetch.deadline``: the source may have sent a downstream
-        here before this receiver, busy parsing the same header, registered it.
-        """
-        peer, request = fetch.peer, fetch.request
-        assert request.token is not None and request.span is not None  # wire.decode_request
-        relayed = self.steps.get(request.token)
-        if relayed is None and request.token in self.stopped:
-            return Refuse(peer, request.xfer, wire.ERR_NOT_RELAYING, "this relay has stopped relaying")
-        if relayed is None:
-            if len(self.waiting) >= self.limit:
-                return Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")
-            self.waiting.append(fetch)
-            return None
-        if request.step != relayed.step or request.stage != relayed.stage_id:
-            return Refuse(peer, request.xfer, wire.ERR_WRONG_STEP, f"this receiver relays step {relayed.step}")
-        if request.span[1] > relayed.messages:
-            return Refuse(peer, request.xfer, wire.ERR_BAD_REQUEST, f"span {list(request.span)} beyond the plan")
-        if busy is not None:
-            return Refuse(peer, request.xfer, wire.ERR_BUSY, busy)
-        relayed.served = True
-        relayed.peers.add(peer)
-        return relayed
-
-    def have(self, peer: bytes, request: wire.Request) -> Have | None:
-        """What this side holds of the step it relays under ``request.token`` (None: it relays no such step)."""
-        relayed = self.steps.get(request.token) if request.token is not None else None
-        if relayed is None or relayed.stage_id != request.stage:
-            return None
-        return Have(peer, request.xfer, relayed.have, relayed.messages, coming=relayed.coming)
-
-    def stop(self, token: bytes, transfers: Iterable[Transfer]) -> list[Transfer]:
-        """Relay ``token``'s step no more; returns the transfers serving it (to end)."""
-        relayed = self.steps.pop(token, None)
-        self.stopped[token] = None
-        while len(self.stopped) > self.limit:
-            del self.stopped[next(iter(self.stopped))]
-        return [t for t in transfers if t.staged is relayed]
-
-    def late(self, now: float) -> list[Refuse]:
-        """Refusals of the span fetches whose wait has ended (forgotten here)."""
-        late = [p for p in self.waiting if p.deadline <= now]
-        self.waiting = [p for p in self.waiting if p.deadline > now]
-        message = "this receiver relays nothing under that token"
-        return [Refuse(p.peer, p.request.xfer, wire.ERR_NOT_RELAYING, message) for p in late]
-
-    def left(self, peer: bytes) -> None:
-        """The connection of ``peer`` closed: that downstream's receive has ended."""
-        for relayed in self.steps.values():
-            relayed.peers.discard(peer)
-
-    def clear(self) -> list[Parked]:
-        """Relay nothing any more; returns the span fetches that were waiting."""
-        waiting, self.waiting = self.waiting, []
-        self.steps.clear()
-        return waiting

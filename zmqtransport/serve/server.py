@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -42,6 +42,7 @@ from ..device import DeviceStaging, SendStager
 from ..errors import ProtocolError
 from ..relayed import Relayed
 from ..stats import DisallowStats, TransferStats
+from .actions import Refuse
 from .digests import DigestWork
 from .disallows import Disallows, SnapshotTaken
 from .frames import QUEUED_COPIES, HeldFrames
@@ -49,8 +50,10 @@ from .notices import Notices
 from .outbox import Outbox, SentLog
 from .pump import DataPump
 from .router import Configure, Router
-from .scheduler import Refuse, Scheduler
-from .staged import Staged
+from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .staged import Staged
 
 # The sending side logs under one name (the receiving side: "zmqtransport.fetch").
 logger = logging.getLogger("zmqtransport.serve")
@@ -386,27 +389,11 @@ class Server:
         return True
 
     def _cut_stuck(self, now: float) -> None:
-        """Cut the connections that hold queued frames and took none for the stall bound.
-
-        Their peers asked (or granted credit) and do not read: closing that one
-        connection frees what libzmq queued for it, everyone else's untouched.
-        Where its descriptor is not known, the socket-wide release below
-        (:meth:`HeldFrames.must_close`) still frees what references the tensors.
-        """
+        """Cut the connections that hold queued frames and took none for the stall bound (:func:`cut`)."""
         stuck = self._held.stuck(now)
-        if not stuck:
-            return
-        self._drop_disconnected()  # first: a closed connection's descriptor may be reused
-        for peer in stuck:
-            queued = self._held.queued(peer)
-            address = self._router.address_of(peer)
-            if not self._router.cut(peer):
-                continue
-            self._held.cutting(peer)
-            gone = self._scheduler.disconnected(peer)
-            message = "cut the connection of %s: %d bytes queued for it, it took none for %.1f s (%d transfers ended)"
-            stall = self._scheduler.stall
-            self._notices.warn(address, "connection cut", now, message, address, queued, stall, len(gone))
+        if stuck:
+            self._drop_disconnected()  # first: a closed connection's descriptor may be reused
+            cut(stuck, self._held, self._router, self._scheduler, self._notices, now)
 
     def _shutdown_in_thread(self) -> None:
         self._outbox.execute(self._scheduler.shutdown())
@@ -424,3 +411,27 @@ class Server:
         self._disallows.close(SHUTDOWN_FRAME_WAIT)
         self._held.release_waiters()
         self._wake.close()
+
+
+def cut(
+    stuck: list[bytes],
+    held: HeldFrames[zmq.MessageTracker],
+    router: Router,
+    scheduler: Scheduler,
+    notices: Notices,
+    now: float,
+) -> None:
+    """Cut these connections: their peers asked (or granted credit) and do not read.
+
+    Closing that one connection frees what libzmq queued for it, everyone
+    else's untouched. Where its descriptor is not known, the socket-wide
+    release (:meth:`HeldFrames.must_close`) still frees what references the tensors.
+    """
+    for peer in stuck:
+        queued, address = held.queued(peer), router.address_of(peer)
+        if not router.cut(peer):
+            continue
+        held.cutting(peer)
+        gone = scheduler.disconnected(peer)
+        message = "cut the connection of %s: %d bytes queued for it, it took none for %.1f s (%d transfers ended)"
+        notices.warn(address, "connection cut", now, message, address, queued, scheduler.stall, len(gone))

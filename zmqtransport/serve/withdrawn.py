@@ -39,15 +39,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from .. import wire
 from .snapshot import Snapshot
-from .staged import Served, Staged
+
+if TYPE_CHECKING:
+    from .staged import Served, Staged
 
 
 class Transfer(Protocol):
-    """What this module reads of a running transfer (serve/scheduler.py's ``Transfer``)."""
+    """What this module reads of a running transfer (serve/transfers.py's ``Transfer``)."""
 
     staged: Served  # what it sends from: switched to the snapshot once it is taken
     span: bool
