@@ -393,10 +393,12 @@ class ZmqMethod:
     streams: int | None = None
     relay: bool = True  # the receiver's option (issue 13); False: fetch from the source only
     verify: str = "relayed"  # the receiver's option (issue 21); "all": every message checked against its digest
+    # Options of this variant on both sides (issue 33's A/B rows: chunk_bytes, io_threads), over the run's knobs.
+    options: tuple[tuple[str, Any], ...] = ()
 
     def _transport(self, env: SendEnv | RecvEnv, **extra: Any) -> ZMQTransport[Any]:
         hosts = env.place.hosts
-        options = {**env.knobs.zmq_kwargs(), **extra}
+        options = {**env.knobs.zmq_kwargs(), **dict(self.options), **extra}
         return ZMQTransport(env.timeout, bind_host=hosts, advertise_host=hosts, **options)
 
     def serve(self, env: SendEnv) -> Serving:
@@ -578,6 +580,11 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-norelay", into_targets=False, relay=False),
         ZmqMethod("zmq-inplace-verify", into_targets=True, verify="all"),
         ZmqMethod("zmq-fresh-verify", into_targets=False, verify="all"),
+        # Issue 33: what bounds one connection over a fast link (frames of 4 MiB; two I/O threads on each side).
+        ZmqMethod("zmq-inplace-c4m", into_targets=True, options=(("chunk_bytes", 4 << 20),)),
+        ZmqMethod("zmq-inplace-io2", into_targets=True, options=(("io_threads", 2),)),
+        ZmqMethod("zmq-inplace-4s-io2", into_targets=True, streams=4, options=(("io_threads", 2),)),
+        ZmqMethod("zmq-inplace-norelay", into_targets=True, relay=False),
         CutMethod("zmq-inplace-cut", ZmqMethod("zmq-inplace", into_targets=True)),
         HttpMethod("http", chunks=0),
         HttpMethod("http-4", chunks=4),
@@ -596,5 +603,9 @@ VARIANTS = frozenset(
         "zmq-norelay",
         "zmq-inplace-verify",
         "zmq-fresh-verify",
+        "zmq-inplace-c4m",
+        "zmq-inplace-io2",
+        "zmq-inplace-4s-io2",
+        "zmq-inplace-norelay",
     }
 )
