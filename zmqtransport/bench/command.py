@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -250,6 +251,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit("--mtu must be within 68..65535")
     if args.perf and not args.profile:
         raise SystemExit("--perf goes with --profile")
+    if args.perf and shutil.which("perf") is None:
+        raise SystemExit("--perf needs perf (linux-tools) on the PATH")
 
 
 def _print_relays(results: Sequence[ScenarioResult], detail: bool) -> None:

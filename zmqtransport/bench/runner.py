@@ -239,7 +239,7 @@ class Trial:
     # from its release of the step to the end of the trial.
     recv_process_cpu: list[float] = field(default_factory=list)
     send_cpu: float = 0.0
-    # scenario.profile: per process ("source", "r1"...), where its CPU went (see profiling).
+    # scenario.profiling: per process ("source", "r1"...), where its CPU went (see profiling).
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -261,16 +261,16 @@ class MethodSummary:
     duplicates: int = 0  # most duplicate data messages in one trial, all receivers together
     cut_s: float | None = None  # median time of the cut (CutMethod)
     ratios: dict[str, float] = field(default_factory=dict)
-    # scenario.disallow: medians of the source's disallow seconds, bytes the receives still needed, bytes
-    # copied, and memcpy seconds of the needed bytes; the slowest disallow; trials in which every receiver
-    # got the staged bytes, and an error seen.
     # CPU seconds per GiB moved (medians over trials): each receiver's process per GiB it received (the
     # mean over receivers, and the busiest), the source's per GiB delivered to all receivers, and every
-    # process together per GiB delivered.
+    # process together per GiB delivered (with --warm, both receives count).
     recv_cpu_per_gib: float = 0.0
     recv_cpu_per_gib_max: float = 0.0
     send_cpu_per_gib: float = 0.0
     cpu_per_gib: float = 0.0
+    # scenario.disallow: medians of the source's disallow seconds, bytes the receives still needed, bytes
+    # copied, and memcpy seconds of the needed bytes; the slowest disallow; trials in which every receiver
+    # got the staged bytes, and an error seen.
     disallow_s: float | None = None
     disallow_max_s: float | None = None
     needed_bytes: int = 0
@@ -329,9 +329,9 @@ class _Run:
             self.sender.call(timeout, "release", method, step, self.receives)
             _gather(receivers, timeout, "ready")  # every receiver's untimed preparation, before any starts
             with (
+                self._perf_during(method, number, receivers),  # first: it waits for perf to attach
                 self._cut_link(method) as cut,
                 self._disallow_during(method, started) as disallowed,
-                self._perf_during(method, number, receivers),
             ):
                 has_rogue = scenario.rogue is not None
                 replies = _go(receivers, timeout, step, self.receives, scenario.kill, scenario.lead_s, has_rogue)
@@ -476,7 +476,7 @@ class _Run:
 
 
 def _profiles(send: dict[str, Any], receivers: Sequence[dict[str, Any]], ranks: Sequence[int]) -> dict[str, Any]:
-    """The trial's per-process profiles by name ("source", "r1"...), where scenario.profile made any."""
+    """The trial's per-process profiles by name ("source", "r1"...), where scenario.profiling made any."""
     named = [("source", send), *((f"r{rank}", usage) for rank, usage in zip(ranks, receivers, strict=True))]
     return {name: usage["profile"] for name, usage in named if usage.get("profile")}
 
@@ -545,7 +545,7 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             recv_paths=_median_paths(mine),
             duplicates=max(sum(t.duplicates) for t in mine),
             cut_s=_median_or_none([t.cut_s for t in mine]),
-            **_cpu_summary(scenario.total_bytes, mine),
+            **_cpu_summary(scenario.total_bytes * (2 if scenario.warm else 1), mine),
             **_disallow_summary(mine),
         )
     anchors = [m for m in summary if METHODS[m].anchor]
@@ -556,9 +556,10 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
     return summary
 
 
-def _cpu_summary(total_bytes: int, trials: Sequence[Trial]) -> dict[str, Any]:
-    """CPU seconds per GiB moved, medians over trials (see MethodSummary)."""
-    gib = total_bytes / (1 << 30)
+def _cpu_summary(received_bytes: int, trials: Sequence[Trial]) -> dict[str, Any]:
+    """CPU seconds per GiB moved, medians over trials (see MethodSummary); ``received_bytes``: into each
+    receiver per trial."""
+    gib = received_bytes / (1 << 30)
     per_trial = [t for t in trials if t.recv_process_cpu]
     if not per_trial or gib <= 0:
         return {}
