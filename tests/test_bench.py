@@ -69,6 +69,16 @@ def test_json_with_two_receivers() -> None:
         assert len(trial["seconds"]) == 2  # one cold time per receiver
         assert len(trial["warm_seconds"]) == 2  # and one warm time (--warm)
         assert len(trial["recv_cpu"]) == 2 and all(cpu > 0 for cpu in trial["recv_cpu"])  # CPU of each cold receive
+        # Each receiver's process over the trial, and the source's.
+        assert len(trial["recv_process_cpu"]) == 2 and all(cpu > 0 for cpu in trial["recv_process_cpu"])
+        assert isinstance(trial["send_cpu"], float) and trial["send_cpu"] > 0
+        assert trial["profiles"] == {}  # no --profile
+    for method, entry in scenario["summary"].items():
+        # CPU seconds per GiB moved, in every row, for every method.
+        for field in ("recv_cpu_per_gib", "recv_cpu_per_gib_max", "send_cpu_per_gib", "cpu_per_gib"):
+            assert isinstance(entry[field], float) and entry[field] > 0, (method, field)
+        assert entry["recv_cpu_per_gib_max"] >= entry["recv_cpu_per_gib"]
+        assert entry["cpu_per_gib"] >= entry["send_cpu_per_gib"]
     # Every tensor of an in-place receive landed in the receiver's own tensors.
     assert scenario["summary"]["zmq-inplace"]["in_place_tensors"] == 16
     assert scenario["summary"]["zmq-bare"]["in_place_tensors"] == 16
@@ -100,7 +110,7 @@ def test_every_method_is_one_object_with_the_interface() -> None:
         assert method.name == name
         assert callable(method.serve) and callable(method.receiver)
     anchors = {name for name, method in bench.METHODS.items() if method.anchor}
-    assert anchors == {"tcp-reused", "tcp-fresh", "zmq-bare", "http", "http-4"}
+    assert anchors == {"tcp-reused", "tcp-fresh", "tcp-reused-4", "zmq-bare", "http", "http-4"}
 
 
 @pytest.mark.system
@@ -109,7 +119,9 @@ def test_lab_scenario_reports_the_source_upload() -> None:
     done = _run("--scenario", "lab-1to1", "--total", "256K", "--tensor", "64K", "--methods", "zmq-fresh", "--json")
     assert done.returncode == 0, done.stderr
     (scenario,) = json.loads(done.stdout)["scenarios"]
-    assert scenario["scenario"]["lab"] == {"nics": 1, "rate_mbit": 400.0, "host_rates": []}
+    assert scenario["scenario"]["lab"] == {
+        "nics": 1, "rate_mbit": 400.0, "host_rates": [], "shaped": True, "mtu": None
+    }  # fmt: skip
     (sent,) = scenario["summary"]["zmq-fresh"]["source_sent"]
     assert 256 << 10 <= sent <= (256 << 10) * 1.1
 
@@ -564,7 +576,7 @@ def test_every_receiver_is_ready_before_any_receive_starts(monkeypatch: pytest.M
 
         def reply(self, timeout: float) -> Any:
             answers = {"setup": {"zmq-fresh": "tcp://x:1"} if self.name == "bench-sender" else None,
-                       "stage": 0.0, "go": [outcome], "finish": 0}
+                       "stage": 0.0, "go": [outcome], "finish": 0, "usage": {"cpu": 0.1, "profile": {}}}
             return answers.get(self.last)
 
         def call(self, timeout: float, *command: Any) -> Any:
@@ -584,3 +596,113 @@ def test_every_receiver_is_ready_before_any_receive_starts(monkeypatch: pytest.M
     goes = [i for i, (name, command) in enumerate(log) if command == "go"]
     assert len(readies) == len(goes) == scenario.receivers, commands
     assert max(readies) < min(goes), commands
+
+
+def test_every_table_shows_cpu_per_gib() -> None:
+    done = _run("--methods", "tcp-reused,zmq-fresh")
+    assert done.returncode == 0, done.stderr
+    header = next(line for line in done.stdout.splitlines() if line.startswith("method "))
+    for column in ("recv cpu s/GiB", "src cpu s/GiB", "all cpu s/GiB"):
+        assert column in header
+    assert "cpu s/GiB: CPU seconds (user + system, every thread) per GiB moved" in done.stdout
+
+
+def test_split_views_cuts_the_bytes_into_equal_runs_in_order() -> None:
+    from zmqtransport.bench.payload import split_views
+
+    data = bytes(range(250)) * 4  # 1000 bytes
+    views = [memoryview(data)[0:300], memoryview(data)[300:310], memoryview(data)[310:1000]]
+    for parts in (1, 3, 4, 7):
+        runs = split_views(views, parts)
+        assert len(runs) == parts
+        sizes = [sum(len(v) for v in run) for run in runs]
+        assert sum(sizes) == 1000 and max(sizes) - min(sizes) <= 1
+        assert b"".join(bytes(v) for run in runs for v in run) == data
+
+
+def test_fast_presets_are_unshaped_with_an_mtu_option() -> None:
+    args = bench.build_parser().parse_args(["--scenario", "fast"])
+    scenarios = bench.scenarios_from_args(args, available=frozenset({"torchft"}))
+    by_name = {s.name: s for s in scenarios}
+    assert set(by_name) == {"fast-1to1", "fast-1to3", "fast-1to1-mtu9000", "fast-1to3-mtu9000"}
+    for scenario in scenarios:
+        assert scenario.lab is not None and not scenario.lab.shaped
+        assert scenario.total_bytes == 256 << 20 and scenario.tensor_bytes == 4 << 20
+        for method in ("tcp-reused", "tcp-reused-4", "zmq-inplace", "zmq-fresh", "zmq-norelay", "http-4"):
+            assert method in scenario.methods
+    assert by_name["fast-1to3"].receivers == 3 and by_name["fast-1to1"].receivers == 1
+    assert by_name["fast-1to1"].lab.mtu is None and by_name["fast-1to1-mtu9000"].lab.mtu == 9000
+    # Any lab preset unshaped, at another MTU; a rate shapes the links again.
+    args = bench.build_parser().parse_args(["--scenario", "lab-1to3", "--unshaped", "--mtu", "9000"])
+    (scenario,) = bench.scenarios_from_args(args, available=frozenset())
+    assert scenario.lab == bench.LabSpec(shaped=False, mtu=9000)
+    args = bench.build_parser().parse_args(["--scenario", "fast-1to1", "--rate", "400"])
+    (scenario,) = bench.scenarios_from_args(args, available=frozenset())
+    assert scenario.lab is not None and scenario.lab.shaped and scenario.lab.rate_mbit == 400
+    for bad in (["--mtu", "40"], ["--perf", "/tmp/x"]):
+        with pytest.raises(SystemExit):
+            bench.main([*bad, *TINY])
+
+
+@pytest.mark.system
+@pytest.mark.skipif(lab.unavailable_reason() is not None, reason=lab.unavailable_reason() or "")
+def test_unshaped_lab_rows_with_cpu_and_a_profile() -> None:
+    methods = "tcp-reused,tcp-reused-4,zmq-fresh"
+    done = _run("--scenario", "fast-1to1-mtu9000", "--total", "1M", "--tensor", "64K", "--methods", methods,
+                "--profile", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (scenario,) = json.loads(done.stdout)["scenarios"]
+    assert scenario["scenario"]["lab"]["shaped"] is False and scenario["scenario"]["lab"]["mtu"] == 9000
+    for method in methods.split(","):
+        entry = scenario["summary"][method]
+        assert entry["recv_cpu_per_gib"] > 0 and entry["send_cpu_per_gib"] > 0
+        assert 1 << 20 <= sum(entry["source_sent"]) <= (1 << 20) * 1.1
+    for trial in scenario["trials"]:
+        profiles = trial["profiles"]
+        assert set(profiles) == {"source", "r1"}
+        for profile in profiles.values():
+            assert profile["total_s"] > 0
+            assert "(ended threads)" in profile["threads"]
+            assert all(seconds >= 0 for seconds in profile["threads"].values())
+        receiver = profiles["r1"]
+        assert receiver["receive_s"] > 0 and receiver["receive_cpu_s"] > 0 and receiver["functions"]
+        if trial["method"] == "zmq-fresh":  # a ZMQTransport receive has phases; the receiving thread is listed
+            assert set(receiver["phases"]) == {"header", "land", "data", "build"}
+            assert "MainThread" in receiver["threads"]
+        else:
+            assert receiver["phases"] == {}
+
+
+def test_issue33_targets_fast_links_and_the_relaying_cpu() -> None:
+    from zmqtransport.bench.config import LabSpec, Scenario
+    from zmqtransport.bench.runner import ScenarioResult
+    from zmqtransport.bench.targets import evaluate_targets
+
+    def result(name: str, receivers: int, spec: LabSpec, rows: dict[str, tuple[float, float]]) -> ScenarioResult:
+        summary = {}
+        for method, (seconds, cpu) in rows.items():
+            entry = _timed(method, seconds)
+            entry.recv_cpu_per_gib = cpu
+            summary[method] = entry
+        for entry in summary.values():
+            for anchor in ("http-4", "tcp-reused-4"):
+                if anchor in summary:
+                    entry.ratios[anchor] = summary[anchor].slowest_s / entry.slowest_s
+        return ScenarioResult(Scenario(name, 256 << 20, 4 << 20, receivers=receivers, lab=spec), [], summary, 1.0, True)
+
+    fast = LabSpec(shaped=False)
+    one = result("fast-1to1", 1, fast, {"zmq-inplace": (0.2, 1), "zmq-fresh": (0.3, 1), "http-4": (0.25, 1),
+                                        "tcp-reused-4": (0.11, 1)})  # fmt: skip
+    three = result("fast-1to3", 3, fast, {"zmq-fresh": (1.4, 1), "http-4": (0.6, 1)})
+    shaped = result("lab-1to3", 3, LabSpec(), {"zmq-fresh": (1.0, 2.9), "zmq-norelay": (2.0, 1.0)})
+    targets = [t for t in evaluate_targets([one, three, shaped]) if t.issue == 33]
+    verdicts = {(t.scenario, t.text): (round(t.measured, 2), t.holds) for t in targets}
+    assert verdicts == {
+        ("fast-1to1", "zmq-inplace speed / http-4"): (1.25, True),
+        ("fast-1to1", "zmq-fresh speed / http-4"): (0.83, False),
+        ("fast-1to1", "zmq-inplace speed / tcp-reused-4"): (0.55, False),
+        ("fast-1to3", "zmq-fresh speed / http-4 (slowest receivers)"): (0.43, False),
+        ("lab-1to3", "zmq-fresh receiver CPU per GiB (mean) / zmq-norelay's"): (2.9, False),
+    }
+    # Issue 13's shaped-link targets leave the unshaped rows alone.
+    assert not [t for t in evaluate_targets([one, three]) if t.issue in (13, 22)]

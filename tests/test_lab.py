@@ -80,6 +80,20 @@ def test_plan_gives_each_host_its_own_rate() -> None:
 
 
 @pytest.mark.system
+def test_plan_without_shaping_and_with_an_mtu() -> None:
+    plan = build_plan(["a0", "a1"], "sw", nics=2, shaping=None, mtu=9000)
+    assert not [line for key, lines in plan.items() if key.startswith("tc:") for line in lines]
+    switch = [" ".join(line) for line in plan["ip:sw"]]
+    # Every bridge and both ends of every veth pair get the MTU.
+    assert "link add br0 mtu 9000 type bridge" in switch and "link add br1 mtu 9000 type bridge" in switch
+    veths = [line for line in switch if "type veth" in line]
+    assert len(veths) == 4 and all(line.count("mtu 9000") == 2 for line in veths)
+    # Without an MTU the kernel's default stays: no mtu argument anywhere.
+    plain = build_plan(["a0"], "sw", nics=1, shaping=Shaping(100.0))
+    assert not [line for lines in plain.values() for line in lines if "mtu" in line]
+
+
+@pytest.mark.system
 def test_bad_shape_is_refused() -> None:
     with pytest.raises(ValueError, match=r"1\.\.250 hosts"):
         Lab(hosts=0)
@@ -89,6 +103,10 @@ def test_bad_shape_is_refused() -> None:
         Lab(hosts=2, host_rates={1: 0.0})
     with pytest.raises(ValueError, match=r"outside 0\.\.1"):
         Lab(hosts=2, host_rates={2: 100.0})
+    with pytest.raises(ValueError, match="MTU"):
+        Lab(hosts=2, mtu=40)
+    with pytest.raises(ValueError, match="shaped"):
+        Lab(hosts=2, shaped=False, host_rates={1: 100.0})
 
 
 @pytest.mark.system
@@ -109,6 +127,20 @@ def test_rate_limited_tcp_transfer_and_counters() -> None:
     for counted in (sent, received):
         assert nbytes <= counted <= nbytes * 1.06 + (64 << 10)
     assert lab.namespace(0) not in _namespaces()
+
+
+@pytest.mark.system
+@needs_lab
+def test_an_unshaped_lab_has_no_qdisc_and_its_mtu() -> None:
+    nbytes = 4 << 20
+    with Lab(hosts=2, nics=1, shaped=False, mtu=9000) as lab:
+        for host in (0, 1):
+            shown = lab.run(host, ["ip", "-j", "link", "show", "eth0"], capture_output=True, text=True, timeout=30)
+            assert json.loads(shown.stdout)[0]["mtu"] == 9000
+            qdiscs = lab.run(host, ["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True, timeout=30)
+            assert "tbf" not in qdiscs.stdout
+        result = tcp_transfer(lab, source=0, sink=1, nbytes=nbytes, timeout=30.0)
+    assert result.received == nbytes
 
 
 @pytest.mark.system

@@ -14,6 +14,12 @@ a Python child that must keep its pipes to a parent, :func:`enter_namespace`
 (``setns``) before it opens any socket. :meth:`Lab.tx_bytes` reads a host's
 NIC counters, so a result can say how many bytes each host sent.
 
+``Lab(..., shaped=False)`` leaves every link unshaped (no ``tbf``): the veth
+pairs and the bridge then run as fast as the kernel moves bytes between
+namespaces, a fast NIC whose limit is the CPU (issue 33). ``mtu=9000`` sets
+every NIC, switch port and bridge to that MTU (jumbo frames); the default
+leaves the kernel's 1500.
+
 The lab removes everything it created on exit from its ``with`` block, on
 error, at interpreter exit and on SIGTERM. Namespace names carry the creating
 process id (``zlab{pid}x{n}...``), so parallel labs never collide and the
@@ -114,32 +120,46 @@ def address_of(host: int, nic: int) -> str:
 
 
 def build_plan(
-    namespaces: Sequence[str], switch: str, nics: int, shaping: Shaping | Sequence[Shaping]
+    namespaces: Sequence[str],
+    switch: str,
+    nics: int,
+    shaping: Shaping | Sequence[Shaping] | None,
+    mtu: int | None = None,
 ) -> dict[str, list[list[str]]]:
     """Batches of ``ip`` and ``tc`` lines per namespace that build the lab (pure).
 
     ``shaping``: one for every host, or one per host (a host's NICs share it,
-    in both directions: a slower NIC is slower both ways).
+    in both directions: a slower NIC is slower both ways); None: no link is
+    shaped. ``mtu``: every NIC, switch port and bridge gets it (None: the
+    kernel's default).
     """
-    per_host = [shaping] * len(namespaces) if isinstance(shaping, Shaping) else list(shaping)
+    if shaping is None:
+        per_host: list[Shaping | None] = [None] * len(namespaces)
+    else:
+        per_host = [shaping] * len(namespaces) if isinstance(shaping, Shaping) else list(shaping)
     if len(per_host) != len(namespaces):
         raise ValueError(f"{len(per_host)} shapings for {len(namespaces)} hosts")
-    ip_switch = [f"link add br{k} type bridge".split() for k in range(nics)]
+    sized = ["mtu", str(mtu)] if mtu is not None else []
+    ip_switch = [["link", "add", f"br{k}", *sized, "type", "bridge"] for k in range(nics)]
     ip_switch += [f"link set br{k} up".split() for k in range(nics)]
     tc_switch: list[list[str]] = []
     plan: dict[str, list[list[str]]] = {}
     for host, namespace in enumerate(namespaces):
         ip_host = [["link", "set", "lo", "up"]]
         tc_host: list[list[str]] = []
-        tbf = per_host[host].tc_args().split()
+        shaping_here = per_host[host]
+        tbf = shaping_here.tc_args().split() if shaping_here is not None else []
         for nic in range(nics):
             port, nic_name = switch_port(host, nic), host_interface(nic)
-            ip_switch.append(["link", "add", port, "type", "veth", "peer", "name", nic_name, "netns", namespace])
+            ip_switch.append(
+                ["link", "add", port, *sized, "type", "veth", "peer", "name", nic_name, *sized, "netns", namespace]
+            )
             ip_switch.append(["link", "set", port, "master", f"br{nic}", "up"])
             ip_host.append(["addr", "add", f"{address_of(host, nic)}/24", "dev", nic_name])
             ip_host.append(["link", "set", nic_name, "up"])
-            tc_host.append(["qdisc", "add", "dev", nic_name, "root", *tbf])
-            tc_switch.append(["qdisc", "add", "dev", port, "root", *tbf])
+            if tbf:
+                tc_host.append(["qdisc", "add", "dev", nic_name, "root", *tbf])
+                tc_switch.append(["qdisc", "add", "dev", port, "root", *tbf])
         plan[f"ip:{namespace}"] = ip_host
         plan[f"tc:{namespace}"] = tc_host
     # The switch side first: the veth pairs must exist before the hosts configure them.
@@ -264,13 +284,25 @@ class Lab:
         burst_bytes: int | None = None,
         limit_bytes: int | None = None,
         host_rates: Mapping[int, float] | None = None,
+        shaped: bool = True,
+        mtu: int | None = None,
     ) -> None:
-        """``host_rates``: hosts whose NICs run at another rate than ``rate_mbit`` (Mbit/s, both directions)."""
+        """``host_rates``: hosts whose NICs run at another rate than ``rate_mbit`` (Mbit/s, both directions).
+
+        ``shaped=False``: no link is rate-limited (``rate_mbit`` and ``host_rates``
+        are then only names, not limits); ``mtu``: every link's MTU (68..65535).
+        """
         rates = dict(host_rates or {})
         if hosts < 1 or nics < 1 or nics > 250 or hosts > 250 or rate_mbit <= 0 or min(rates.values(), default=1) <= 0:
             raise ValueError("a lab needs 1..250 hosts, 1..250 NICs and a positive rate")
         if not all(0 <= host < hosts for host in rates):
             raise ValueError(f"host_rates names hosts outside 0..{hosts - 1}: {sorted(rates)}")
+        if mtu is not None and not 68 <= mtu <= 65535:
+            raise ValueError(f"an MTU must be within 68..65535, not {mtu}")
+        if not shaped and rates:
+            raise ValueError("host_rates needs shaped links")
+        self.shaped = shaped
+        self.mtu = mtu
         self.hosts = hosts
         self.nics = nics
         self.rate_mbit = rate_mbit
@@ -340,8 +372,8 @@ class Lab:
         for name in [self.switch, *namespaces]:
             _run(["ip", "netns", "add", name])
             self._created.append(name)
-        shapings = [self.host_shaping(host) for host in range(self.hosts)]
-        for key, lines in build_plan(namespaces, self.switch, self.nics, shapings).items():
+        shapings = [self.host_shaping(host) for host in range(self.hosts)] if self.shaped else None
+        for key, lines in build_plan(namespaces, self.switch, self.nics, shapings, self.mtu).items():
             tool, namespace = key.split(":", 1)
             if lines:
                 _run([tool, "-n", namespace, "-batch", "-"], stdin="".join(" ".join(line) + "\n" for line in lines))

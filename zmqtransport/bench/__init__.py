@@ -13,6 +13,8 @@ Methods (``--methods``; see :mod:`.methods`, one object each):
 
 * ``tcp-reused`` / ``tcp-fresh``: anchors. One plain TCP stream read with
   ``recvmsg_into`` into the receiver's existing touched tensors / fresh ones.
+* ``tcp-reused-4``: anchor. Four such streams at once into touched tensors,
+  each a quarter of the bytes in a thread of its own (what parallel flows buy).
 * ``zmq-bare``: anchor. A bare pyzmq ROUTER/DEALER credit loop, one frame per
   tensor, ``recv_into`` touched tensors: what any ZeroMQ design can do here.
 * ``zmq-inplace`` / ``zmq-fresh``: ZMQTransport with / without ``state_dict``.
@@ -24,7 +26,17 @@ Methods (``--methods``; see :mod:`.methods`, one object each):
 Scenarios run on loopback, or in a network lab (``--lab``; :mod:`zmqtransport.lab`,
 needs root): the source and each receiver on their own host, links rate-limited
 with tbf; the lab table adds the ideal (bytes / link rate) and the bytes the
-source uploaded. Peak RSS is the rise of ``VmHWM`` over the timed region.
+source uploaded. ``--scenario fast`` (issue 33) runs the lab over unshaped
+links (no tbf: as fast as the kernel moves bytes, a NIC faster than the CPU),
+MTU 1500 and 9000 (``--unshaped`` and ``--mtu`` for any lab preset). Peak RSS
+is the rise of ``VmHWM`` over the timed region.
+
+Every row has CPU seconds (user + system, all threads, from the processes'
+own ``getrusage``) per GiB moved: each receiver's process from just before
+the receives start to the trial's end (relaying for others included), the
+source's from its release of the step, and all together. ``--profile`` adds
+where that CPU goes, per process and thread, per phase of a receive, and per
+function of the receiving thread (:mod:`.profiling`).
 """
 
 from __future__ import annotations

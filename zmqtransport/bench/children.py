@@ -7,10 +7,10 @@ that host's network namespace before it opens any socket.
 
 from __future__ import annotations
 
+import cProfile
 import http.server
 import logging
 import os
-import resource
 import signal
 import socketserver
 import threading
@@ -32,6 +32,7 @@ from .payload import (
     memcpy_seconds,
     stamp,
 )
+from .profiling import Phases, ThreadClock, process_cpu_seconds, top_functions
 from .rogue import become_rogue, shutdown_halfway
 
 
@@ -80,6 +81,8 @@ class SenderProcess:
         self.servings: dict[str, Serving] = {}
         self.step = -1
         self.meter: PeakMeter | None = None
+        self.cpu_base = 0.0  # this process's CPU seconds at the last release
+        self.clock: ThreadClock | None = None  # scenario.profiling: per thread since the last release
 
     def setup(self) -> dict[str, str]:
         """Start every method's serving side; returns each one's metadata."""
@@ -101,7 +104,16 @@ class SenderProcess:
         self.servings[method].rendezvous(step)
 
     def release(self, method: str, step: int, receives: int) -> None:
+        self.cpu_base = process_cpu_seconds()
+        if self.scenario.profiling is not None:
+            self.clock = ThreadClock()
         self.servings[method].release(step, receives)
+
+    def usage(self) -> dict[str, Any]:
+        """CPU seconds of this process since the last release (every thread), and its profile if asked for."""
+        cpu = process_cpu_seconds() - self.cpu_base
+        profile = self.clock.stop() if self.clock is not None else {}
+        return {"cpu": cpu, "profile": profile}
 
     def disallow(self, method: str, add: float) -> dict[str, float]:
         """disallow_checkpoint mid-transfer (timed), then ``add`` to every tensor (an optimizer step)."""
@@ -147,16 +159,11 @@ def sender_main(conn: Connection, scenario: Scenario, knobs: Knobs, place: Place
             "disallow": sender.disallow,
             "memcpy": sender.memcpy,
             "finish": sender.finish,
+            "usage": sender.usage,
         }
         serve_commands(conn, handlers)
     finally:
         sender.close()
-
-
-def _cpu_seconds() -> float:
-    """User and system CPU of every thread of this process so far (libzmq's I/O thread included)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _die_past(fraction: float) -> Callable[[int, int], None]:
@@ -220,6 +227,10 @@ class ReceiverProcess:
         self.kill_timer_s: float | None = None  # the victim of a Kill, for a method without progress
         self.timeline: Timeline | None = None  # bytes over time (ZMQTransport, which reports progress)
         self.meter: PeakMeter | None = None  # the first receive's, made by ready()
+        self.cpu_base = 0.0  # this process's CPU seconds when ready() ran
+        self.clock: ThreadClock | None = None  # scenario.profiling: per thread since ready()
+        self.phases: Phases | None = None  # scenario.profiling: the receive's phases (ZMQTransport)
+        self.profiled: dict[str, Any] = {}  # scenario.profiling: the cold receive's phases and functions
 
     def setup(self, method: str, metadata: str, step: int) -> None:
         """Untimed: the recovering model's own tensors (touched) and the method's receiver."""
@@ -243,6 +254,8 @@ class ReceiverProcess:
                 progress = shutdown_halfway(shut_down)
         if isinstance(chosen, ZmqMethod):
             progress = self.timeline = Timeline(progress)
+        if self.scenario.profiling is not None:
+            self.phases = Phases()
         env = RecvEnv(self.layout, self.targets, self.knobs, self.place, self.rank, world, metadata, step, progress)
         self.receiving = chosen.receiver(env)
         if shut_down is not None:
@@ -253,6 +266,16 @@ class ReceiverProcess:
         garbage collection and a heap trim, tens of ms of CPU with torch loaded), so that none of it
         runs on the shared cores while other receivers are being timed."""
         self.meter = PeakMeter()
+        self.cpu_base = process_cpu_seconds()
+        if self.scenario.profiling is not None:
+            self.clock = ThreadClock()
+
+    def usage(self) -> dict[str, Any]:
+        """Once every receive of the trial is done: this process's CPU seconds since ready() (its relaying
+        for others included), and its profile if asked for."""
+        cpu = process_cpu_seconds() - self.cpu_base
+        profile = {**self.clock.stop(), **self.profiled} if self.clock is not None else {}
+        return {"cpu": cpu, "profile": profile}
 
     def go(self, step: int, receives: int) -> list[dict[str, Any]]:
         """Time ``receives`` receives of ``step``, the first one cold; verify each."""
@@ -271,7 +294,7 @@ class ReceiverProcess:
     def _receive_once(self, step: int) -> dict[str, Any]:
         assert self.receiving is not None
         meter, self.meter = self.meter or PeakMeter(), None
-        cpu_before = _cpu_seconds()
+        cpu_before = process_cpu_seconds()
         if self.timeline is not None:
             self.timeline.start()
         started = time.perf_counter()
@@ -279,9 +302,21 @@ class ReceiverProcess:
             if self.started is not None:
                 self.started.set()
             return self._receive_disallowed(step, meter, cpu_before, started)
+        profiler = cProfile.Profile() if self.clock is not None and not self.profiled else None
+        if self.phases is not None:
+            self.phases.start()
+        if profiler is not None:
+            profiler.enable()
         tensors = self.receiving.receive(step)
-        seconds = time.perf_counter() - started
-        cpu = _cpu_seconds() - cpu_before
+        if profiler is not None:
+            profiler.disable()
+        ended = time.perf_counter()
+        seconds = ended - started
+        cpu = process_cpu_seconds() - cpu_before
+        if profiler is not None:
+            phases = self.phases.seconds(ended) if self.phases is not None else {}
+            self.profiled = {"receive_s": seconds, "receive_cpu_s": cpu, "phases": phases}
+            self.profiled["functions"] = top_functions(profiler)
         growth = meter.growth()
         in_place = 0
         if self.knobs.verify:
@@ -310,7 +345,7 @@ class ReceiverProcess:
         except Exception as exc:  # noqa: BLE001 - the outcome is what this scenario measures
             tensors, error = [], f"{type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - started
-        cpu, growth = _cpu_seconds() - cpu_before, meter.growth()
+        cpu, growth = process_cpu_seconds() - cpu_before, meter.growth()
         in_place = 0
         if not error:
             try:
@@ -336,6 +371,12 @@ def receiver_main(
     _enter(place)
     receiver = ReceiverProcess(scenario, knobs, place, rank, started)
     try:
-        serve_commands(conn, {"setup": receiver.setup, "ready": receiver.ready, "go": receiver.go})
+        handlers: dict[str, Callable[..., Any]] = {
+            "setup": receiver.setup,
+            "ready": receiver.ready,
+            "go": receiver.go,
+            "usage": receiver.usage,
+        }
+        serve_commands(conn, handlers)
     finally:
         receiver.close()

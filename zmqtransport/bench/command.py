@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -11,6 +12,7 @@ from dataclasses import replace
 from .. import lab
 from .config import (
     DEFAULT_SETTLE_S,
+    FAST_PRESETS,
     GROWTH_PRESETS,
     LAB_PRESETS,
     LARGE_PRESETS,
@@ -20,6 +22,7 @@ from .config import (
     ROGUE_PRESETS,
     Knobs,
     LabSpec,
+    Profiling,
     Scenario,
     exact_size,
     numpy_available,
@@ -31,6 +34,7 @@ from .config import (
 from .layouts import UNIFORM
 from .methods import METHODS, NUMPY, TORCHFT, VARIANTS
 from .plot import edge_table, plot_fanout
+from .profilereport import format_profiles
 from .relayreport import format_link_summary, format_paths_detail, format_relay_summary
 from .report import format_growth, format_result, format_targets, machine_description, memory_available, to_json
 from .runner import BenchError, ScenarioResult, run_scenario
@@ -103,14 +107,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scenario",
         action="append",
-        choices=[*PRESETS, "all", "lab", "relay", "rogue", "growth", "large"],
+        choices=[*PRESETS, "all", "lab", "relay", "rogue", "growth", "large", "fast"],
         help="a preset (repeatable; 'all': every loopback preset but the large ones; 'lab': every lab preset; "
+        "'fast': the lab over unshaped links, MTU 1500 and 9000, one and three receivers (issue 33); "
         "'relay': the fan-out lab rows and the one-receiver row they compare with; 'rogue': issue 21's rogue "
         "relays beside a clean fan-out; 'growth': 1, 2 and 4 GiB uniform, with a table of seconds per GiB; "
         "'large': the transformer state, 4 and 8 GiB uniform); sizes below override it",
     )
     parser.add_argument("--lab", action="store_true", help="run the lab presets (same as --scenario lab)")
     parser.add_argument("--rate", type=float, help="lab link rate, Mbit/s per NIC and direction (default 400)")
+    parser.add_argument(
+        "--unshaped",
+        action="store_true",
+        help="lab scenarios over unshaped links (no tbf): as fast as the kernel moves bytes between namespaces",
+    )
+    parser.add_argument("--mtu", type=int, help="lab scenarios: every link's MTU (e.g. 9000; default the preset's)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="record where each process spends its CPU in every trial: per thread, the receive's phases, and "
+        "the receiving thread's functions (cProfile); printed after the tables (zmqtransport.bench.profiling)",
+    )
+    parser.add_argument(
+        "--perf",
+        metavar="DIR",
+        help="with --profile: also 'perf record -g' the source and receiver 1 over each trial's receives into DIR",
+    )
     _add_size_options(parser)
     _add_transport_options(parser)
     return parser
@@ -135,6 +157,7 @@ def _chosen_presets(args: argparse.Namespace) -> list[str]:
         "rogue": ROGUE_PRESETS,
         "growth": GROWTH_PRESETS,
         "large": LARGE_PRESETS,
+        "fast": FAST_PRESETS,
     }
     for name in args.scenario or []:
         names += list(groups.get(name, [name]))
@@ -188,7 +211,11 @@ def scenarios_from_args(args: argparse.Namespace, available: frozenset[str]) -> 
             raise SystemExit(f"--warm does not apply to {scenario.name}: its step is withdrawn mid-transfer")
         spec = scenario.lab
         if spec is not None and args.rate is not None:
-            spec = LabSpec(spec.nics, args.rate)
+            spec = LabSpec(spec.nics, args.rate, mtu=spec.mtu)  # a rate shapes the links, whatever the preset
+        if spec is not None and args.unshaped:
+            spec = replace(spec, shaped=False, host_rates=())
+        if spec is not None and args.mtu is not None:
+            spec = replace(spec, mtu=args.mtu)
         chosen.append(
             _sized(
                 scenario,
@@ -201,6 +228,7 @@ def scenarios_from_args(args: argparse.Namespace, available: frozenset[str]) -> 
                 settle_s=settle,
                 warm=args.warm,
                 lab=spec,
+                profiling=Profiling(args.perf or "") if args.profile else None,
             )
         )
     return chosen
@@ -219,6 +247,12 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit("--reps must be >= 1 and --warmup >= 0")
     if args.rate is not None and args.rate <= 0:
         raise SystemExit("--rate must be positive")
+    if args.mtu is not None and not 68 <= args.mtu <= 65535:
+        raise SystemExit("--mtu must be within 68..65535")
+    if args.perf and not args.profile:
+        raise SystemExit("--perf goes with --profile")
+    if args.perf and shutil.which("perf") is None:
+        raise SystemExit("--perf needs perf (linux-tools) on the PATH")
 
 
 def _print_relays(results: Sequence[ScenarioResult], detail: bool) -> None:
@@ -254,6 +288,10 @@ def _print_tables(
         print()
         print(growth)
     _print_relays(results, detail)
+    profiles = format_profiles(results)
+    if profiles:
+        print()
+        print(profiles)
     targets = evaluate_targets(results)
     if targets:
         print()

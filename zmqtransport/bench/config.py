@@ -36,11 +36,24 @@ class LabSpec:
 
     ``host_rates``: ``(host, Mbit/s)`` pairs for hosts whose NICs run at
     another rate than ``rate_mbit`` (mixed links: a slower port, another rack).
+    ``shaped=False``: no link is rate-limited (issue 33: a NIC faster than the
+    CPU; ``rate_mbit`` is then no limit and there is no ideal time); ``mtu``:
+    every link's MTU (None: the kernel's 1500).
     """
 
     nics: int = 1
     rate_mbit: float = DEFAULT_RATE_MBIT
     host_rates: tuple[tuple[int, float], ...] = ()
+    shaped: bool = True
+    mtu: int | None = None
+
+    def describe(self) -> str:
+        """The links in words, for a table's title."""
+        if not self.shaped:
+            return f"unshaped veth, MTU {self.mtu or 1500}"
+        text = f"{self.rate_mbit:g} Mbit/s"
+        text += "".join(f", host {host} at {rate:g}" for host, rate in self.host_rates)
+        return text + (f", MTU {self.mtu}" if self.mtu is not None else "")
 
     def rate_of(self, host: int) -> float:
         """Mbit/s of each of ``host``'s NICs, per direction."""
@@ -98,6 +111,17 @@ class Rogue:
 
 
 @dataclass(frozen=True)
+class Profiling:
+    """``--profile``: where each process of a trial spends its CPU (:mod:`.profiling`).
+
+    ``perf_dir``: also ``perf record -g`` the source and receiver 1 over each
+    trial's receives, one file per process and trial there ("": no perf).
+    """
+
+    perf_dir: str = ""
+
+
+@dataclass(frozen=True)
 class Scenario:
     """One benchmark configuration: what moves, to how many receivers, and how."""
 
@@ -129,6 +153,9 @@ class Scenario:
     def payload(self) -> Layout:
         return layout_of(self.layout, self.total_bytes, self.tensor_bytes)
     disallow: Disallow | None = None
+    # Record where each process spends its CPU in every trial (per thread, the receive's phases, and a
+    # cProfile of the receiving thread): :mod:`.profiling`. Costs some CPU itself; off for timing runs.
+    profiling: Profiling | None = None
 
     @property
     def tensor_sizes(self) -> list[int]:
@@ -262,6 +289,24 @@ def _with_disallow_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
     return rows
 
 
+def _with_fast_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
+    """Issue 33: unshaped links (a NIC faster than the CPU), MTU 1500 and 9000; one and three receivers."""
+    mib = 1 << 20
+    anchors = ("tcp-reused", "tcp-reused-4")
+    zmq = ("zmq-inplace", "zmq-fresh", "zmq-norelay")
+    rows = dict(presets)
+    for mtu in (None, 9000):
+        suffix = "" if mtu is None else f"-mtu{mtu}"
+        spec = LabSpec(shaped=False, mtu=mtu)
+        one = (*anchors, "zmq-bare", *zmq, "http-4")
+        rows[f"fast-1to1{suffix}"] = Scenario(f"fast-1to1{suffix}", 256 * mib, 4 * mib, methods=one, reps=3, lab=spec)
+        three = (*anchors, *zmq, "http-4")
+        rows[f"fast-1to3{suffix}"] = Scenario(
+            f"fast-1to3{suffix}", 256 * mib, 4 * mib, receivers=3, methods=three, reps=3, lab=spec
+        )
+    return rows
+
+
 def exact_size(scenario: Scenario) -> Scenario:
     """``scenario`` with ``total_bytes`` what its layout really holds (a transformer's is only about the request)."""
     return replace(scenario, total_bytes=sum(scenario.tensor_sizes))
@@ -289,13 +334,15 @@ def _large_presets() -> dict[str, Scenario]:
 
 
 LARGE = _large_presets()
-PRESETS = {**_with_disallow_rows(_with_relay_rows(_presets())), **LARGE}
+PRESETS = {**_with_fast_rows(_with_disallow_rows(_with_relay_rows(_presets()))), **LARGE}
 # The fan-out rows (issues 13 and 22) and the one-receiver time they are compared with: ``--scenario relay``.
 RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3")
 # Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
 ROGUE_PRESETS = (
     "lab-1to1", "lab-1to3", *(f"lab-rogue-{mode}" for mode in ("flip", "error", "silent", "shutdown", "hoard"))
 )
+# Issue 33's unshaped-link rows: ``--scenario fast`` (also part of ``--lab``).
+FAST_PRESETS = tuple(n for n in PRESETS if n.startswith("fast-"))
 # Issue 23's rows (run only where named): ``--scenario disallow --scenario lab-disallow``.
 DISALLOW_PRESETS = ("lab-disallow", "disallow")
 LAB_PRESETS = tuple(n for n, s in PRESETS.items() if s.lab is not None and n not in DISALLOW_PRESETS)

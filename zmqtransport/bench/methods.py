@@ -15,6 +15,7 @@ times ``receive(step)``; ``Serving.finish()``.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import traceback
 import urllib.parse
@@ -29,10 +30,11 @@ from ..transport import ZMQTransport
 from .barezmq import BareServer, bare_receive
 from .config import Knobs
 from .layouts import Layout
-from .payload import empty_float32, recv_views, send_views, views_of
+from .payload import empty_float32, recv_views, send_views, split_views, views_of
 
 TORCHFT = "torchft"
 NUMPY = "numpy"
+_TCP_REQUEST = struct.Struct("<qII")  # the TCP anchor's request: step, which flow, of how many
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class _QuietServing:
 
 
 class _TcpServing(_QuietServing):
-    """A listener; each connection sends the step it wants and gets every tensor's bytes."""
+    """A listener; each connection asks for a step and one of N equal runs of the state's bytes, and gets them."""
 
     def __init__(self, env: SendEnv) -> None:
         self.env = env
@@ -180,14 +182,17 @@ class _TcpServing(_QuietServing):
             with conn:
                 conn.settimeout(self.env.knobs.timeout_s)
                 request = b""
-                while len(request) < 8:
-                    chunk = conn.recv(8 - len(request))
+                while len(request) < _TCP_REQUEST.size:
+                    chunk = conn.recv(_TCP_REQUEST.size - len(request))
                     if not chunk:
                         return
                     request += chunk
-                if int.from_bytes(request, "little") != self.step:
+                step, flow, flows = _TCP_REQUEST.unpack(request)
+                if step != self.step:
                     raise RuntimeError("TCP request for a step that is not staged")
-                send_views(conn, self.env.views)
+                if not 0 <= flow < flows:
+                    raise RuntimeError(f"TCP request for flow {flow} of {flows}")
+                send_views(conn, split_views(self.env.views, flows)[flow])
         except BaseException:  # noqa: BLE001 - reported by finish()
             self.errors.append(traceback.format_exc())
 
@@ -204,9 +209,10 @@ class _TcpServing(_QuietServing):
 
 
 class _TcpReceiving:
-    def __init__(self, env: RecvEnv, reuse: bool) -> None:
+    def __init__(self, env: RecvEnv, reuse: bool, flows: int) -> None:
         self.env = env
         self.reuse = reuse
+        self.flows = flows
         host, port = env.metadata.rsplit(":", 1)
         self.address = (host, int(port))
 
@@ -216,10 +222,32 @@ class _TcpReceiving:
         else:
             tensors = [empty_float32(n) for n in self.env.sizes]
             views = views_of(tensors)
-        with socket.create_connection(self.address, timeout=self.env.knobs.timeout_s) as conn:
-            conn.sendall(step.to_bytes(8, "little"))
-            recv_views(conn, views)
+        runs = split_views(views, self.flows)
+        if self.flows == 1:
+            self._flow(step, 0, runs[0])
+            return list(tensors)
+        # One thread per flow: recvmsg_into lets go of the GIL, so the flows' copies run side by side.
+        errors: list[BaseException] = []
+
+        def flow(index: int) -> None:
+            try:
+                self._flow(step, index, runs[index])
+            except BaseException as exc:  # noqa: BLE001 - raised in the receiving thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=flow, args=(i,), name=f"tcp-flow-{i}") for i in range(self.flows)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
         return list(tensors)
+
+    def _flow(self, step: int, index: int, views: list[memoryview]) -> None:
+        with socket.create_connection(self.address, timeout=self.env.knobs.timeout_s) as conn:
+            conn.sendall(_TCP_REQUEST.pack(step, index, self.flows))
+            recv_views(conn, views)
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -230,18 +258,20 @@ class _TcpReceiving:
 
 @dataclass(frozen=True)
 class TcpMethod:
-    """Anchor: one plain TCP stream, ``recvmsg_into`` straight into tensors."""
+    """Anchor: plain TCP, ``recvmsg_into`` straight into tensors; ``flows`` streams at once, each one
+    equal run of the state's bytes in a thread of its own (issue 33: what parallel connections buy)."""
 
     name: str
     into_targets: bool  # True: existing touched tensors; False: freshly allocated ones
     anchor: bool = True
     requires: frozenset[str] = frozenset()
+    flows: int = 1
 
     def serve(self, env: SendEnv) -> Serving:
         return _TcpServing(env)
 
     def receiver(self, env: RecvEnv) -> Receiving:
-        return _TcpReceiving(env, self.into_targets)
+        return _TcpReceiving(env, self.into_targets, self.flows)
 
 
 # ----------------------------------------------------------------------------- bare pyzmq
@@ -363,10 +393,12 @@ class ZmqMethod:
     streams: int | None = None
     relay: bool = True  # the receiver's option (issue 13); False: fetch from the source only
     verify: str = "relayed"  # the receiver's option (issue 21); "all": every message checked against its digest
+    # Options of this variant on both sides (issue 33's A/B rows: chunk_bytes, io_threads), over the run's knobs.
+    options: tuple[tuple[str, Any], ...] = ()
 
     def _transport(self, env: SendEnv | RecvEnv, **extra: Any) -> ZMQTransport[Any]:
         hosts = env.place.hosts
-        options = {**env.knobs.zmq_kwargs(), **extra}
+        options = {**env.knobs.zmq_kwargs(), **dict(self.options), **extra}
         return ZMQTransport(env.timeout, bind_host=hosts, advertise_host=hosts, **options)
 
     def serve(self, env: SendEnv) -> Serving:
@@ -539,6 +571,7 @@ METHODS: dict[str, Method] = {
     for method in (
         TcpMethod("tcp-reused", into_targets=True),
         TcpMethod("tcp-fresh", into_targets=False),
+        TcpMethod("tcp-reused-4", into_targets=True, flows=4),
         BareZmqMethod(),
         ZmqMethod("zmq-inplace", into_targets=True),
         ZmqMethod("zmq-fresh", into_targets=False),
@@ -547,6 +580,11 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-norelay", into_targets=False, relay=False),
         ZmqMethod("zmq-inplace-verify", into_targets=True, verify="all"),
         ZmqMethod("zmq-fresh-verify", into_targets=False, verify="all"),
+        # Issue 33: what bounds one connection over a fast link (frames of 4 MiB; two I/O threads on each side).
+        ZmqMethod("zmq-inplace-c4m", into_targets=True, options=(("chunk_bytes", 4 << 20),)),
+        ZmqMethod("zmq-inplace-io2", into_targets=True, options=(("io_threads", 2),)),
+        ZmqMethod("zmq-inplace-4s-io2", into_targets=True, streams=4, options=(("io_threads", 2),)),
+        ZmqMethod("zmq-inplace-norelay", into_targets=True, relay=False),
         CutMethod("zmq-inplace-cut", ZmqMethod("zmq-inplace", into_targets=True)),
         HttpMethod("http", chunks=0),
         HttpMethod("http-4", chunks=4),
@@ -557,5 +595,17 @@ METHODS: dict[str, Method] = {
 
 # Variants of a method (another option, a fault): run only where named (a preset, --methods).
 VARIANTS = frozenset(
-    {"zmq-inplace-1s", "zmq-inplace-4s", "zmq-inplace-cut", "zmq-norelay", "zmq-inplace-verify", "zmq-fresh-verify"}
+    {
+        "tcp-reused-4",
+        "zmq-inplace-1s",
+        "zmq-inplace-4s",
+        "zmq-inplace-cut",
+        "zmq-norelay",
+        "zmq-inplace-verify",
+        "zmq-fresh-verify",
+        "zmq-inplace-c4m",
+        "zmq-inplace-io2",
+        "zmq-inplace-4s-io2",
+        "zmq-inplace-norelay",
+    }
 )

@@ -104,6 +104,22 @@ def _advance(pending: list[memoryview], done_bytes: int) -> list[memoryview]:
     return rest
 
 
+def split_views(views: Sequence[memoryview], parts: int) -> list[list[memoryview]]:
+    """``views`` as ``parts`` runs of about equal bytes, in order (a view may be cut between two runs)."""
+    total = sum(len(view) for view in views)
+    bounds = [total * part // parts for part in range(parts + 1)]
+    runs: list[list[memoryview]] = [[] for _ in range(parts)]
+    offset = 0
+    for view in views:
+        end = offset + len(view)
+        for part in range(parts):
+            low, high = max(offset, bounds[part]), min(end, bounds[part + 1])
+            if low < high:
+                runs[part].append(view[low - offset : high - offset])
+        offset = end
+    return runs
+
+
 def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Send every view, in order, straight from its memory (gathered writes)."""
     pending = [view for view in views if len(view)]

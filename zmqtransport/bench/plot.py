@@ -28,7 +28,8 @@ EXTRA_HINT = "pip install 'zmqtransport[plot]' (matplotlib)"
 def chosen_trial(results: Sequence[ScenarioResult]) -> tuple[ScenarioResult, Trial] | None:
     """The run and trial a plot shows: the median trial of the first fan-out with timelines."""
     for result in results:
-        if result.scenario.lab is None or result.scenario.receivers < 2:
+        lab = result.scenario.lab
+        if lab is None or not lab.shaped or result.scenario.receivers < 2:  # unshaped links have no ideal to draw
             continue
         for method in result.scenario.methods:
             trials = [t for t in result.trials if t.method == method and any(t.timelines)]

@@ -37,6 +37,7 @@ class RelayRow:
     reference_method: str
     reference_s: float
     sent_over_state: float  # the source host's NIC bytes / state bytes (median trial)
+    shaped: bool = True  # the lab's links are rate-limited (issue 33's unshaped rows are not)
 
     @property
     def times_one(self) -> float:
@@ -89,6 +90,7 @@ def relay_rows(results: Sequence[ScenarioResult]) -> list[RelayRow]:
                 reference,
                 ones[reference],
                 sent,
+                scenario.lab.shaped,
             )
             rows.append(row)
     return rows

@@ -108,8 +108,7 @@ def _title(result: ScenarioResult) -> str:
     scenario = result.scenario
     where = "loopback"
     if scenario.lab is not None:
-        where = f"lab: {scenario.receivers + 1} hosts x {scenario.lab.nics} NIC(s) at {scenario.lab.rate_mbit:g} Mbit/s"
-        where += "".join(f", host {host} at {rate:g}" for host, rate in scenario.lab.host_rates)
+        where = f"lab: {scenario.receivers + 1} hosts x {scenario.lab.nics} NIC(s), {scenario.lab.describe()}"
     return (
         f"scenario {scenario.name}: {human_bytes(scenario.total_bytes)} as {_what(scenario)}, "
         f"{scenario.receivers} receiver(s), {where}; "
@@ -143,22 +142,44 @@ def format_result(result: ScenarioResult) -> str:
     header = ["method", "cold slowest s" if multi else "cold s"]
     header += ["fastest s", "slow/fast"] if multi else []
     header += ["warm s"] if scenario.warm else []
-    header += ["GB/s", *(f"x {a}" for a in anchors), "recv cpu s", "send +MiB", "recv +MiB"]
+    header += ["GB/s", *(f"x {a}" for a in anchors), "recv cpu s", *_cpu_header(multi), "send +MiB", "recv +MiB"]
     rows = [header]
     for method, entry in result.summary.items():
         row = [method, _seconds(entry.slowest_s)]
         row += [_seconds(entry.fastest_s), f"{entry.spread:.2f}"] if multi else []
         row += [_seconds(entry.warm_slowest_s or 0.0)] if scenario.warm else []
         row += [f"{entry.gbps:.3g}", *(f"{entry.ratios[a]:.2f}" for a in anchors), _seconds(entry.recv_cpu_s)]
+        row += _cpu_cells(entry, multi)
         row += [f"{entry.send_rss_max / _MIB:.0f}", f"{entry.recv_rss_max / _MIB:.0f}"]
         rows.append(row)
-    return "\n".join([_title(result), *_table(rows), *_notes(result), *_disallow_lines(result)])
+    lines = [_title(result), *_table(rows), CPU_NOTE]
+    return "\n".join([*lines, *_notes(result), *_disallow_lines(result)])
 
 
-def _ideal_s(result: ScenarioResult) -> float:
-    """State bytes over what the receiver's NICs can take at their nominal rate."""
+CPU_NOTE = (
+    "cpu s/GiB: CPU seconds (user + system, every thread) per GiB moved, medians over trials: recv, each "
+    "receiver's process from just before the receives start to the trial's end (relaying included) per GiB it "
+    "received (mean over receivers; busiest: the receiver that spent most); src, the source's process from its "
+    "release of the step per GiB delivered to all receivers; all, every process together per GiB delivered"
+)
+
+
+def _cpu_header(multi: bool) -> list[str]:
+    return ["recv cpu s/GiB", *(["busiest"] if multi else []), "src cpu s/GiB", "all cpu s/GiB"]
+
+
+def _cpu_cells(entry: MethodSummary, multi: bool) -> list[str]:
+    cells = [f"{entry.recv_cpu_per_gib:.2f}"]
+    cells += [f"{entry.recv_cpu_per_gib_max:.2f}"] if multi else []
+    return [*cells, f"{entry.send_cpu_per_gib:.2f}", f"{entry.cpu_per_gib:.2f}"]
+
+
+def _ideal_s(result: ScenarioResult) -> float | None:
+    """State bytes over what the receiver's NICs can take at their nominal rate (None: unshaped links)."""
     lab = result.scenario.lab
     assert lab is not None
+    if not lab.shaped:
+        return None
     return result.scenario.total_bytes / (lab.nics * lab.rate_mbit * 1e6 / 8)
 
 
@@ -168,14 +189,20 @@ def _path_hosts(result: ScenarioResult) -> list[str]:
     return sorted({path_host(endpoint) for endpoint in endpoints})
 
 
-def _lab_row(result: ScenarioResult, entry: MethodSummary, ideal: float, hosts: list[str]) -> list[str]:
+def _lab_row(
+    result: ScenarioResult, entry: MethodSummary, ideal: float | None, hosts: list[str], anchors: list[str]
+) -> list[str]:
     total = result.scenario.total_bytes
     sent = sum(entry.source_sent)
-    if result.scenario.receivers == 1:
-        row = [entry.method, _seconds(entry.slowest_s), f"{entry.slowest_s / ideal:.2f}"]
+    multi = result.scenario.receivers > 1
+    row = [entry.method, _seconds(entry.slowest_s)]
+    row += [_seconds(entry.fastest_s)] if multi else []
+    if ideal is not None:
+        row += [f"{entry.slowest_s / ideal:.2f}"]
+        row += [f"{entry.fastest_s / ideal:.2f}"] if multi else []
     else:
-        row = [entry.method, _seconds(entry.slowest_s), _seconds(entry.fastest_s)]
-        row += [f"{entry.slowest_s / ideal:.2f}", f"{entry.fastest_s / ideal:.2f}"]
+        row += [f"{entry.gbps:.3g}", *(f"{entry.ratios[a]:.2f}" for a in anchors)]
+    row += _cpu_cells(entry, multi)
     row += [f"{sent / _MIB:.1f}", f"{sent / total:.2f}"]
     if len(entry.source_sent) > 1:
         row.append("/".join(f"{nic / _MIB:.0f}" for nic in entry.source_sent))
@@ -209,20 +236,29 @@ def _path_notes(result: ScenarioResult) -> list[str]:
 def format_lab_result(result: ScenarioResult) -> str:
     """The lab table: receiver times against the link-bound ideal, and the source's upload."""
     ideal = _ideal_s(result)
-    if result.scenario.receivers == 1:
-        header = ["method", "seconds", "x ideal"]
+    multi = result.scenario.receivers > 1
+    header = ["method", "slowest s", "fastest s"] if multi else ["method", "seconds"]
+    # Unshaped links have no ideal: the ratios to the anchors of the same run instead.
+    anchors = [a for a in result.summary if METHODS[a].anchor] if ideal is None else []
+    if ideal is not None:
+        header += ["slowest x ideal", "fastest x ideal"] if multi else ["x ideal"]
     else:
-        header = ["method", "slowest s", "fastest s", "slowest x ideal", "fastest x ideal"]
-    header += ["source sent MiB", "sent/state"]
+        header += ["GB/s", *(f"x {a}" for a in anchors)]
+    header += [*_cpu_header(multi), "source sent MiB", "sent/state"]
     nics = result.scenario.lab.nics if result.scenario.lab is not None else 1
     if nics > 1:
         header.append("per NIC MiB")
     hosts = _path_hosts(result)
     header += ["recv paths MiB", "dup msgs"] if hosts else []
-    rows = [header] + [_lab_row(result, entry, ideal, hosts) for entry in result.summary.values()]
+    rows = [header] + [_lab_row(result, entry, ideal, hosts, anchors) for entry in result.summary.values()]
     explained = "state bytes / the nominal rate of one receiver's NICs together"
-    lines = [_title(result), f"ideal: {_seconds(ideal)} s ({explained})"]
-    return "\n".join([*lines, *_table(rows), *_path_notes(result), *_notes(result), *_disallow_lines(result)])
+    lines = [_title(result)]
+    if ideal is not None:
+        lines.append(f"ideal: {_seconds(ideal)} s ({explained})")
+    else:
+        lines.append("unshaped links: no ideal; ratio columns: anchor seconds / method seconds (above 1 = faster)")
+    tail = [CPU_NOTE, *_path_notes(result), *_notes(result), *_disallow_lines(result)]
+    return "\n".join([*lines, *_table(rows), *tail])
 
 
 def _disallow_lines(result: ScenarioResult) -> list[str]:

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import statistics
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -70,7 +71,14 @@ def network_for(scenario: Scenario) -> Iterator[Network]:
         return
     spec = scenario.lab
     hosts = scenario.receivers + 1
-    with Lab(hosts=hosts, nics=spec.nics, rate_mbit=spec.rate_mbit, host_rates=dict(spec.host_rates)) as lab:
+    with Lab(
+        hosts=hosts,
+        nics=spec.nics,
+        rate_mbit=spec.rate_mbit,
+        host_rates=dict(spec.host_rates),
+        shaped=spec.shaped,
+        mtu=spec.mtu,
+    ) as lab:
         yield LabNetwork(lab)
 
 
@@ -174,6 +182,8 @@ def _gather(children: Sequence[_Child], timeout: float, *command: Any) -> list[A
 # was most of a short benchmark's run time. Measured alike: docs/history.md.
 START_METHOD = os.environ.get("ZMQTRANSPORT_BENCH_START", "forkserver")
 PRELOAD = ["torch", "zmqtransport", "zmqtransport.bench.children"]
+# perf needs a moment to attach to a running process before what it should see begins.
+PERF_ATTACH_S = 1.0
 
 
 def _context() -> Any:
@@ -224,6 +234,13 @@ class Trial:
     # that many bytes in the same process, and each receiver's failure ("": bit-exact with the staged step).
     disallow: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # CPU seconds (user + system, all threads) of each counted receiver's process from just before the
+    # receives start to the end of the trial (relaying for others included), and of the source's process
+    # from its release of the step to the end of the trial.
+    recv_process_cpu: list[float] = field(default_factory=list)
+    send_cpu: float = 0.0
+    # scenario.profiling: per process ("source", "r1"...), where its CPU went (see profiling).
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -244,6 +261,13 @@ class MethodSummary:
     duplicates: int = 0  # most duplicate data messages in one trial, all receivers together
     cut_s: float | None = None  # median time of the cut (CutMethod)
     ratios: dict[str, float] = field(default_factory=dict)
+    # CPU seconds per GiB moved (medians over trials): each receiver's process per GiB it received (the
+    # mean over receivers, and the busiest), the source's per GiB delivered to all receivers, and every
+    # process together per GiB delivered (with --warm, both receives count).
+    recv_cpu_per_gib: float = 0.0
+    recv_cpu_per_gib_max: float = 0.0
+    send_cpu_per_gib: float = 0.0
+    cpu_per_gib: float = 0.0
     # scenario.disallow: medians of the source's disallow seconds, bytes the receives still needed, bytes
     # copied, and memcpy seconds of the needed bytes; the slowest disallow; trials in which every receiver
     # got the staged bytes, and an error seen.
@@ -304,14 +328,22 @@ class _Run:
             before = self.network.source_sent()
             self.sender.call(timeout, "release", method, step, self.receives)
             _gather(receivers, timeout, "ready")  # every receiver's untimed preparation, before any starts
-            with self._cut_link(method) as cut, self._disallow_during(method, started) as disallowed:
+            with (
+                self._perf_during(method, number, receivers),  # first: it waits for perf to attach
+                self._cut_link(method) as cut,
+                self._disallow_during(method, started) as disallowed,
+            ):
                 has_rogue = scenario.rogue is not None
                 replies = _go(receivers, timeout, step, self.receives, scenario.kill, scenario.lead_s, has_rogue)
             send_rss = self.sender.call(timeout, "finish", method)
+            survivors = [r for r, runs in zip(receivers, replies, strict=True) if runs is not None]
+            # Every receive is done: what each process spent since it began (its relaying included).
+            send_usage = self.sender.call(timeout, "usage")
+            recv_usage = _gather(survivors, 30.0, "usage")
             if disallowed:  # measured here, not while the receives ran: they would have shared the cores
                 disallowed["memcpy_s"] = self.sender.call(timeout, "memcpy", disallowed["needed_bytes"])
             after = self.network.source_sent()
-            _gather([r for r, runs in zip(receivers, replies, strict=True) if runs is not None], 30.0, "exit")
+            _gather(survivors, 30.0, "exit")
         finally:
             for receiver in receivers:
                 receiver.stop()
@@ -341,6 +373,9 @@ class _Run:
             rogue,
             disallowed,
             [o.get("error", "") for o in cold],
+            [usage["cpu"] for usage in recv_usage],
+            send_usage["cpu"],
+            _profiles(send_usage, recv_usage, [r for r, runs in enumerate(replies, start=1) if runs is not None]),
         )
 
     @contextlib.contextmanager
@@ -371,6 +406,38 @@ class _Run:
             timer.join()  # the sender's pipe is free again before "finish"
         if failures:
             raise BenchError(f"disallow_checkpoint in the sender failed: {failures[0]}")
+
+    @contextlib.contextmanager
+    def _perf_during(self, method: str, number: int, receivers: Sequence[_Child]) -> Iterator[None]:
+        """With ``--perf DIR``: ``perf record -g`` of the source and receiver 1 while the receives run."""
+        profiling = self.scenario.profiling
+        if profiling is None or not profiling.perf_dir:
+            yield
+            return
+        os.makedirs(profiling.perf_dir, exist_ok=True)
+        stem = os.path.join(profiling.perf_dir, f"{self.scenario.name}-{method}-{number}")
+        targets = [("source", self.sender), *(("r1", r) for r in receivers[:1])]
+        recorders = [
+            subprocess.Popen(
+                ["perf", "record", "-e", "cpu-clock", "-g", "-q", "-o", f"{stem}-{name}.data", "-p", str(pid)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for name, child in targets
+            if (pid := child.process.pid) is not None
+        ]
+        time.sleep(PERF_ATTACH_S)
+        try:
+            yield
+        finally:
+            for recorder in recorders:
+                recorder.send_signal(signal.SIGINT)
+            for recorder in recorders:
+                try:
+                    recorder.wait(30.0)
+                except subprocess.TimeoutExpired:
+                    recorder.kill()
+                    recorder.wait()
 
     @contextlib.contextmanager
     def _cut_link(self, method: str) -> Iterator[_Cut]:
@@ -406,6 +473,12 @@ class _Run:
         with contextlib.suppress(BenchError, OSError):
             self.sender.call(30.0, "exit")
         self.sender.stop()
+
+
+def _profiles(send: dict[str, Any], receivers: Sequence[dict[str, Any]], ranks: Sequence[int]) -> dict[str, Any]:
+    """The trial's per-process profiles by name ("source", "r1"...), where scenario.profiling made any."""
+    named = [("source", send), *((f"r{rank}", usage) for rank, usage in zip(ranks, receivers, strict=True))]
+    return {name: usage["profile"] for name, usage in named if usage.get("profile")}
 
 
 @dataclass
@@ -472,6 +545,7 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             recv_paths=_median_paths(mine),
             duplicates=max(sum(t.duplicates) for t in mine),
             cut_s=_median_or_none([t.cut_s for t in mine]),
+            **_cpu_summary(scenario.total_bytes * (2 if scenario.warm else 1), mine),
             **_disallow_summary(mine),
         )
     anchors = [m for m in summary if METHODS[m].anchor]
@@ -480,6 +554,24 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             # > 1 means faster than the anchor (ratio of median slowest-receiver times).
             entry.ratios[anchor] = summary[anchor].slowest_s / entry.slowest_s
     return summary
+
+
+def _cpu_summary(received_bytes: int, trials: Sequence[Trial]) -> dict[str, Any]:
+    """CPU seconds per GiB moved, medians over trials (see MethodSummary); ``received_bytes``: into each
+    receiver per trial."""
+    gib = received_bytes / (1 << 30)
+    per_trial = [t for t in trials if t.recv_process_cpu]
+    if not per_trial or gib <= 0:
+        return {}
+    delivered = [gib * len(t.recv_process_cpu) for t in per_trial]
+    return {
+        "recv_cpu_per_gib": statistics.median(statistics.mean(t.recv_process_cpu) / gib for t in per_trial),
+        "recv_cpu_per_gib_max": statistics.median(max(t.recv_process_cpu) / gib for t in per_trial),
+        "send_cpu_per_gib": statistics.median(t.send_cpu / d for t, d in zip(per_trial, delivered, strict=True)),
+        "cpu_per_gib": statistics.median(
+            (t.send_cpu + sum(t.recv_process_cpu)) / d for t, d in zip(per_trial, delivered, strict=True)
+        ),
+    }
 
 
 def _disallow_summary(trials: Sequence[Trial]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The performance targets of issues 4, 12, 13, 16 and 21 to 24, checked wherever a run measured what they need."""
+"""The performance targets of issues 4, 12, 13, 16, 21 to 24 and 33, checked wherever a run measured what they need."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class Target:
 
 
 def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
-    """The performance targets of issues 4, 12, 13, 16, 21, 22, 23 and 24, wherever the run measured what they need."""
+    """The performance targets of issues 4, 12, 13, 16, 21 to 24 and 33, wherever the run measured what they need."""
     targets = (
         _issue4_targets(results)
         + _issue12_targets(results)
@@ -36,6 +36,7 @@ def evaluate_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         + _issue22_targets(results)
         + _issue23_targets(results)
         + _issue24_targets(results)
+        + _issue33_targets(results)
     )
     return sorted(targets, key=lambda target: target.issue)  # one block per issue, in the order found
 
@@ -107,7 +108,7 @@ def _issue13_targets(results: Sequence[ScenarioResult]) -> list[Target]:
     targets: list[Target] = []
     swarm: list[Target] = []  # issue 22's tighter bounds for the swarm
     for row in relay_rows(results):
-        if row.method not in RELAYING:
+        if row.method not in RELAYING or not row.shaped:  # set for links slower than the CPU
             continue
         shape = "killed" if row.killed else "three" if row.receivers == 3 else "seven" if row.receivers == 7 else ""
         if not shape or row.rogue:
@@ -192,6 +193,7 @@ def _two_nic_targets(results: Sequence[ScenarioResult]) -> list[Target]:
             comparable = (
                 ref_lab is not None and ref_lab.nics == 1 and one.receivers == 1 and not ref_lab.mixed
                 and ref_lab.rate_mbit == lab.rate_mbit and one.total_bytes == scenario.total_bytes
+                and ref_lab.shaped == lab.shaped
             )
             if not comparable:
                 continue
@@ -345,3 +347,36 @@ def _growth_targets(results: Sequence[ScenarioResult]) -> list[Target]:
         limit = growth("tcp-fresh")
         text += " (limit: tcp-fresh's growth, above 1.25)"
     return [Target(last.scenario.name, text, growth("zmq-fresh"), limit, False, 24)]
+
+
+# Issue 33 (links faster than the CPU). Unshaped lab, one receiver: (method, anchor, least speed ratio).
+_FAST_ONE = (("zmq-inplace", "http-4", 1.2), ("zmq-fresh", "http-4", 1.0), ("zmq-inplace", "tcp-reused-4", 1 / 1.5))
+_FAST_MANY = (("zmq-fresh", "http-4", 1.0), ("zmq-inplace", "http-4", 1.0))  # several receivers: slowest's
+_RELAY_CPU_OVER_DIRECT = 1.5  # shaped lab, several receivers: a relaying receiver's CPU per GiB / relay=False's
+
+
+def _issue33_targets(results: Sequence[ScenarioResult]) -> list[Target]:
+    """Speed against HTTPTransport(4) and plain TCP over unshaped links; a relaying receiver's CPU per byte."""
+    targets: list[Target] = []
+    for result in results:
+        scenario, lab = result.scenario, result.scenario.lab
+        if lab is None or scenario.kill is not None or scenario.rogue is not None or scenario.disallow is not None:
+            continue
+        if not lab.shaped:
+            checks = _FAST_ONE if scenario.receivers == 1 else _FAST_MANY
+            for method, anchor, limit in checks:
+                entry = result.summary.get(method)
+                if entry is not None and anchor in entry.ratios:
+                    text = f"{method} speed / {anchor}" + (" (slowest receivers)" if scenario.receivers > 1 else "")
+                    targets.append(Target(scenario.name, text, entry.ratios[anchor], limit, True, 33))
+            continue
+        direct = result.summary.get("zmq-norelay")
+        if scenario.receivers < 2 or lab.mixed or direct is None or direct.recv_cpu_per_gib <= 0:
+            continue
+        for method in RELAYING:
+            entry = result.summary.get(method)
+            if entry is not None and entry.recv_cpu_per_gib > 0:
+                text = f"{method} receiver CPU per GiB (mean) / zmq-norelay's"
+                measured = entry.recv_cpu_per_gib / direct.recv_cpu_per_gib
+                targets.append(Target(scenario.name, text, measured, _RELAY_CPU_OVER_DIRECT, False, 33))
+    return targets
