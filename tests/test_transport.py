@@ -257,3 +257,18 @@ def test_failing_state_dict_callable_falls_back_to_fresh_memory(make_transport: 
     sender.send_checkpoint([1], 5, state, TIMEOUT)
     assert_state_equal(receiver.recv_checkpoint(0, sender.metadata(), 5, TIMEOUT), state)
     assert receiver.last_recv_stats is not None and receiver.last_recv_stats.in_place_bytes == 0
+
+
+def test_timeout_none_means_the_constructors(make_transport: Any) -> None:
+    # torchft's newest PGTransport takes timeout=None on send and receive as "the constructor's".
+    sender, receiver = make_transport(), make_transport()
+    state = model_state(3)
+    sender.send_checkpoint([1], 3, state, None)
+    assert_state_equal(receiver.recv_checkpoint(0, sender.metadata(), 3, None), state)
+    assert receiver.fetch_header(sender.metadata(), 3, None) == sender.fetch_header(sender.metadata(), 3)
+    # The bound is the constructor's: a peer that accepts the connection and never speaks.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        quick = make_transport(timeout=timedelta(seconds=0.7))
+        with pytest.raises(TimeoutError, match=r"timed out after 0\.7 s"):
+            quick.recv_checkpoint(0, f"tcp://127.0.0.1:{port}", 3, None)

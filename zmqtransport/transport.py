@@ -346,12 +346,15 @@ class ZMQTransport(CheckpointTransport[T]):
         """
         return self._address.to_metadata()
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+    def send_checkpoint(
+        self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta | None = None
+    ) -> None:
         """Stage ``state_dict`` as ``step`` and return at once; receivers pull it.
 
         The tensors are not copied: do not mutate them until
         :meth:`disallow_checkpoint` returns. Raises ``TypeError`` naming the key
-        path of any leaf that cannot be sent.
+        path of any leaf that cannot be sent. ``timeout`` bounds nothing here
+        (staging does not wait on a peer); ``None`` is accepted, as on receive.
         """
         self._check_open()
         with paused_gc():  # many tensors, no cycles: see gcpause
@@ -379,11 +382,12 @@ class ZMQTransport(CheckpointTransport[T]):
         if not self._shut_down:
             self.last_disallow_stats = self._server.disallow()
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
         """Fetch ``step`` from the transport whose :meth:`metadata` is ``metadata``.
 
         Raises ``TimeoutError`` (message says "timed out", names the peer and
-        step) when any phase outlasts ``timeout``; :class:`RemoteError` when the
+        step) when any phase outlasts ``timeout`` (``None``: the constructor's,
+        as torchft's PGTransport takes it); :class:`RemoteError` when the
         peer refuses (wrong step, disallowed, ...); :class:`ProtocolError` for a
         malformed reply. Never returns partial state.
         """
@@ -395,7 +399,7 @@ class ZMQTransport(CheckpointTransport[T]):
             address,
             src_rank,
             step,
-            timeout.total_seconds(),
+            self._seconds(timeout),
             self._fetch_options,
             self._peer_options(address),
             targets,
@@ -419,23 +423,28 @@ class ZMQTransport(CheckpointTransport[T]):
 
     # ------------------------------------------------------------------ extras
 
-    def fetch_header(self, metadata: str, step: int, timeout: timedelta) -> wire.Header:
-        """What the peer serves for ``step`` (tensor table, sizes), without the data."""
+    def fetch_header(self, metadata: str, step: int, timeout: timedelta | None = None) -> wire.Header:
+        """What the peer serves for ``step`` (tensor table, sizes), without the data (``timeout`` as on receive)."""
         self._check_open()
         address = parse_metadata(metadata)
         options, peer_options = self._fetch_options, self._peer_options(address)
-        return fetch_header(self._context, address, step, timeout.total_seconds(), options, peer_options)
+        return fetch_header(self._context, address, step, self._seconds(timeout), options, peer_options)
 
-    def fetch_digests(self, metadata: str, step: int, timeout: timedelta) -> Published:
+    def fetch_digests(self, metadata: str, step: int, timeout: timedelta | None = None) -> Published:
         """The header of ``step`` and the source's digest of every data message (docs/protocol.md, "Digests").
 
         No tensor data moves; the source hashes what it has not hashed yet.
         Raises ``ProtocolError`` for a source that publishes no digests.
+        ``timeout`` as on receive (``None``: the constructor's).
         """
         self._check_open()
         address = parse_metadata(metadata)
         options, peer_options = self._fetch_options, self._peer_options(address)
-        return fetch_digests(self._context, address, step, timeout.total_seconds(), options, peer_options)
+        return fetch_digests(self._context, address, step, self._seconds(timeout), options, peer_options)
+
+    def _seconds(self, timeout: timedelta | None) -> float:
+        """A call's timeout in seconds; ``None`` means the one this transport was built with."""
+        return (self._timeout if timeout is None else timeout).total_seconds()
 
     def _peer_options(self, address: PeerAddress) -> Configure | None:
         """DEALER options for fetching from one peer: CURVE needs that peer's server key.

@@ -14,6 +14,7 @@ times ``receive(step)``; ``Serving.finish()``.
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import threading
@@ -485,12 +486,39 @@ class HttpMethod:
 
 
 def _process_group(store: str, step: int, rank: int, world: int, timeout: timedelta) -> Any:
+    """A gloo group of ``world`` ranks that meet on the TCPStore at ``store`` (``HOST:PORT``, rank 0's).
+
+    torchft has two APIs for this, told apart by what the group offers:
+    0.2.0's ``configure(store_addr, replica_id, rank, world_size)``, and the
+    nightly's ``reconfigure``, fed by ``reconfigure_with_store``.
+    """
     from torchft.process_group import ProcessGroupGloo
 
     group = ProcessGroupGloo(timeout=timeout)
     # A fresh group per trial: the receivers are new processes every time.
-    group.configure(f"{store}/zmqtransport-bench-{step}", "bench", rank, world)
+    prefix = f"{store}/zmqtransport-bench-{step}"
+    configure = getattr(group, "configure", None)
+    if configure is not None:
+        configure(prefix, "bench", rank, world)
+        return group
+    from torchft.process_group import reconfigure_with_store
+
+    if rank == 0:
+        # Rank 0's handle names the store the ranks rendezvous on by socket.gethostname(); that
+        # resolves to an address of this machine, which another lab host's namespace does not
+        # reach. The store listens on every interface: name it by the address the bench store has.
+        handle = _handle_at(group.get_reconfigure_handle(), store.rpartition(":")[0])
+        group.get_reconfigure_handle = lambda: handle
+    reconfigure_with_store(group, prefix, rank, world, timeout)
     return group
+
+
+def _handle_at(handle: str, host: str) -> str:
+    """A torchft reconfigure handle (JSON) whose ``store`` (``HOST:PORT``) is on ``host`` instead."""
+    fields = json.loads(handle)
+    port = str(fields["store"]).rpartition(":")[2]
+    fields["store"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return json.dumps(fields)
 
 
 def _pg_transport(group: Any, timeout: timedelta, state_dict: Any) -> Any:

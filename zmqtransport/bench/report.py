@@ -49,8 +49,10 @@ def machine_description() -> dict[str, Any]:
         "pyzmq": zmq.__version__,
         "libzmq": zmq.zmq_version(),
     }
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        versions["torchft"] = importlib.metadata.version("torchft")
+    # torchft's releases and its nightly builds are two distributions that both install `torchft`.
+    for distribution in ("torchft", "torchft-nightly"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[distribution] = importlib.metadata.version(distribution)
     return {
         "cpus": os.cpu_count(),
         "cpu_model": model,
