@@ -17,7 +17,7 @@ from zmqtransport.codec import skeleton
 from zmqtransport.fetch import landing
 from zmqtransport.fetch.landed import land
 from zmqtransport.fetch.landing import Fresh, FreshBounced, InArena, InPlace, InPlaceBounced, LandingOptions
-from zmqtransport.fetch.replies import recv_exact
+from zmqtransport.fetch.streams import recv_exact
 
 MIB = 1024 * 1024
 PACK_BELOW = 64 * 1024

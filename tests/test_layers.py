@@ -146,3 +146,74 @@ def test_each_wing_logs_under_its_own_name() -> None:
                 if names != [wing]:
                     wrong.append((module_name(path), names or ast.unparse(node)))
     assert not wrong, wrong
+
+
+# ----------------------------------------------------------------------------- the receiving wing's shape
+
+FETCH = PACKAGE / "fetch"
+# The receive's planner and the pure books and rules under it: no sockets, no threads (docs/architecture.md).
+PURE_RECEIVE = ("planner", "spans", "peers", "verify", "registry", "requests", "liveness", "replies")
+
+
+def outside_imports(path: Path) -> set[str]:
+    """The top-level names of what ``path`` imports from outside the package (``zmq``, ``threading``, ...)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def code_lines(node: ast.AST, lines: list[str]) -> int:
+    """Lines of code of ``node``: blanks, comments and docstrings aside."""
+    docstrings: set[int] = set()
+    for inner in ast.walk(node):
+        body = getattr(inner, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings.update(range(body[0].lineno, (body[0].end_lineno or body[0].lineno) + 1))
+    assert isinstance(node, ast.stmt)
+    span = range(node.lineno, (node.end_lineno or node.lineno) + 1)
+    code = [lines[n - 1].strip() for n in span if n not in docstrings]
+    return sum(1 for line in code if line and not line.startswith("#"))
+
+
+def test_the_receive_planner_and_its_books_use_no_sockets_and_no_threads() -> None:
+    edges = graph()
+    # What the planner reaches through the package's own imports, itself included.
+    reached, todo = set(), ["zmqtransport.fetch.planner"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(edges.get(module, ()))
+    assert {f"zmqtransport.fetch.{name}" for name in PURE_RECEIVE} <= reached
+    offenders = []
+    for module in sorted(reached):
+        path = PACKAGE.parent / Path(*module.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        if module in ("zmqtransport", "zmqtransport.fetch"):
+            continue  # packages that gather names
+        banned = outside_imports(path) & {"zmq", "threading", "socket", "selectors"}
+        if banned:
+            offenders.append((module, sorted(banned)))
+    assert not offenders, offenders
+
+
+def test_at_most_seven_modules_of_the_receiving_wing_import_zmq() -> None:
+    using = sorted(path.stem for path in FETCH.glob("*.py") if "zmq" in outside_imports(path))
+    assert len(using) <= 7, using
+
+
+def test_no_class_of_the_receiving_wing_is_over_240_lines_of_code() -> None:
+    long = []
+    for path in FETCH.glob("*.py"):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and (count := code_lines(node, lines)) > 240:
+                long.append((f"{path.stem}.{node.name}", count))
+    assert not long, long

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import zmq
 
 from ..device import CPU, DeviceStaging
 from ..net import PeerAddress
 from .landing import LandingOptions
 from .relaying import RelayHost
+from .streams import Configure
 
 ProgressCallback = Callable[[int, int], None]
 VERIFY_CHOICES = ("relayed", "all")
-Configure = Callable[[zmq.Socket[Any]], None]
 
 
 @dataclass(frozen=True)
