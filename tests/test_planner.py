@@ -238,13 +238,22 @@ def test_a_slow_peer_is_never_the_only_path_for_what_it_holds() -> None:
 # ----------------------------------------------------------------------------- drops and failures
 
 
-def test_a_peer_whose_message_does_not_match_the_digest_is_dropped_and_it_is_asked_again() -> None:
+def with_a_peer() -> Net:
+    """A swarm member with a stream to the source (0) and one to a peer holding every message (1), which
+    has been asked for a span of it."""
     net = planner(messages=8, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
     net.carry_out(net.plan.start())
-    source, peer = net.add(), net.add(1, PEER_TOKEN)
+    net.add()
+    net.add(1, PEER_TOKEN)
     net.tick()
-    have(net, peer, 0xFF)
+    have(net, 1, 0xFF)
     net.tick(0.001)
+    return net
+
+
+def test_a_peer_whose_message_does_not_match_the_digest_is_dropped_and_it_is_asked_again() -> None:
+    net = with_a_peer()
+    source, peer = 0, 1
     held = net.spans(peer)
     assert held
     net.forged.add(held[0].first)
@@ -260,13 +269,8 @@ def test_a_peer_whose_message_does_not_match_the_digest_is_dropped_and_it_is_ask
 
 
 def test_a_peer_silent_while_it_owes_what_it_holds_is_dropped() -> None:
-    net = planner(messages=8, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
-    net.carry_out(net.plan.start())
-    net.add()
-    peer = net.add(1, PEER_TOKEN)
-    net.tick()
-    have(net, peer, 0xFF)
-    net.tick(0.001)
+    net = with_a_peer()
+    peer = 1
     assert net.spans(peer)
     net.tick(0.001 + QUIET_FIRST / 2)
     assert peer not in net.closed
@@ -275,12 +279,8 @@ def test_a_peer_silent_while_it_owes_what_it_holds_is_dropped() -> None:
 
 
 def test_a_peer_refusing_is_dropped_and_the_source_refusing_fails_the_receive() -> None:
-    net = planner(messages=8, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
-    net.carry_out(net.plan.start())
-    source, peer = net.add(), net.add(1, PEER_TOKEN)
-    net.tick()
-    have(net, peer, 0xFF)
-    net.tick(0.001)
+    net = with_a_peer()
+    source, peer = 0, 1
     net.answer(peer, wire.error_reply(net.spans(peer)[0].xfer, wire.ERR_STALLED, "no"))
     assert peer in net.closed
     with pytest.raises(RemoteError, match="the source at mem://0: busy elsewhere"):

@@ -37,7 +37,7 @@ from .peers import start_offset
 from .planner import ReceivePlanner, Swarm, span_messages
 from .relaying import RelayDuty
 from .replies import refusal
-from .requests import SpanTerms, fetch_request
+from .requests import SpanTerms, step_request
 from .streams import Configure, Context
 
 logger = logging.getLogger("zmqtransport.fetch")
@@ -136,18 +136,11 @@ class Receive:
 
     def send_request(self, header_only: bool = False, offer: str | None = None) -> None:
         inline = self.options.verify == "all" and not header_only
-        request = fetch_request(
-            self.xfer,
-            self.step,
-            self.deadline,
-            time.monotonic(),
-            self.options.window,
-            self.options.allow_pickle,
-            header_only,
-            relay=offer,
-            verify=digests.offered(),
-            inline=inline,
-        )
+        options, now = self.options, time.monotonic()
+        request = step_request(
+            self.xfer, self.step, self.deadline, now, options.window, options.allow_pickle, header_only,
+            offer, digests.offered(), inline,
+        )  # fmt: skip
         self._send(request, "its request")
 
     def _send(self, frame: bytes, what: str) -> None:

@@ -1,9 +1,10 @@
 """Every fetch request a receive sends, built in one place (docs/protocol.md, "Requests", "Spans", "Digests").
 
-A receive sends four kinds of ``fetch``: the step (or its header alone), a
-span of it, the digests of a span, and (over the swarm) a span from a peer.
-Each carries how long the sender may wait for the step, counted from the
-receive's deadline at the moment it is sent. Pure: bytes out, no sockets.
+A receive sends three kinds of ``fetch``: the step (or its header alone), a
+span of it (from the source or, over the swarm, from a peer), and the digests
+of a span. Each carries how long the sender may wait for the step, counted
+from the receive's deadline at the moment it is sent (:func:`wait_ms`).
+Pure: bytes out, no sockets.
 """
 
 from __future__ import annotations
@@ -28,39 +29,29 @@ class SpanTerms:
     inline: bool = False  # verify="all": the source's spans carry a digest per message
 
 
-def fetch_request(
+def wait_ms(deadline: float, now: float) -> int:
+    """How long a sender may wait for the step, in a request sent at ``now`` by a receive that ends at
+    ``deadline``."""
+    return max(0, int((deadline - now) * 1000))
+
+
+def step_request(
     xfer: int,
     step: int,
     deadline: float,
     now: float,
-    credit: int,
-    accept_pickle: bool = False,
-    header_only: bool = False,
-    *,
-    span: tuple[int, int] | None = None,
-    stage: int | None = None,
-    relay: str | None = None,
-    token: bytes | None = None,
-    verify: Sequence[str] = (),
-    inline: bool = False,
-    digests_only: bool = False,
+    window: int,
+    accept_pickle: bool,
+    header_only: bool,
+    relay: str | None,
+    verify: Sequence[str],
+    inline: bool,
 ) -> bytes:
-    """A ``fetch`` of ``step`` under transfer id ``xfer``, which the sender may wait for until ``deadline``."""
-    wait_ms = max(0, int((deadline - now) * 1000))
+    """The fetch of ``step`` (or its header alone), with ``window`` data messages of credit; ``relay``:
+    where this receiver offers to serve others."""
+    wait = wait_ms(deadline, now)
     return wire.fetch_request(
-        xfer,
-        step,
-        wait_ms,
-        credit,
-        accept_pickle,
-        header_only,
-        span=span,
-        stage=stage,
-        relay=relay,
-        token=token,
-        verify=verify,
-        inline=inline,
-        digests_only=digests_only,
+        xfer, step, wait, window, accept_pickle, header_only, relay=relay, verify=verify, inline=inline
     )
 
 
@@ -69,11 +60,10 @@ def span_request(xfer: int, first: int, stop: int, terms: SpanTerms, token: byte
     digests if verify="all"."""
     inline = terms.inline and token is None and terms.algorithm is not None
     verify = [terms.algorithm.name] if inline and terms.algorithm is not None else []
-    return fetch_request(
+    return wire.fetch_request(
         xfer,
         terms.step,
-        terms.deadline,
-        now,
+        wait_ms(terms.deadline, now),
         stop - first,
         terms.accept_pickle,
         span=(first, stop),
@@ -88,6 +78,14 @@ def digest_request(
     xfer: int, step: int, stage: int, algorithm: Algorithm, first: int, stop: int, deadline: float, now: float
 ) -> bytes:
     """A request for the digests of messages [first, stop) of the staging ``stage`` (``digests_only``)."""
-    return fetch_request(
-        xfer, step, deadline, now, 1, span=(first, stop), stage=stage, verify=[algorithm.name], digests_only=True
+    return wire.fetch_request(
+        xfer,
+        step,
+        wait_ms(deadline, now),
+        1,
+        False,
+        span=(first, stop),
+        stage=stage,
+        verify=[algorithm.name],
+        digests_only=True,
     )
