@@ -52,6 +52,11 @@ class FetchOptions:
     # "relayed", every message a relay sends; "all", every message, the source's own too.
     verify: str = "relayed"
 
+    @property
+    def verifies_all(self) -> bool:
+        """Whether the source's own messages are checked against its digests too (``verify="all"``)."""
+        return self.verify == "all"
+
     def striped(self, address: PeerAddress) -> bool:
         """Whether a receive from ``address`` asks for the header alone, then for spans on several connections."""
         if self.streams is None:

@@ -135,7 +135,7 @@ class Receive:
         self.send_request(header_only, offer)
 
     def send_request(self, header_only: bool = False, offer: str | None = None) -> None:
-        inline = self.options.verify == "all" and not header_only
+        inline = self.options.verifies_all and not header_only
         options, now = self.options, time.monotonic()
         request = step_request(
             self.xfer, self.step, self.deadline, now, options.window, options.allow_pickle, header_only,
@@ -159,7 +159,7 @@ class Receive:
             raise ProtocolError(f"expected a header, got {reply.op!r}")
         self.stage = reply.stage
         self.order = reply.relay if self.options.relay is not None else None
-        self.algorithm = digest_algorithm(reply.digest, self.options.verify, self.describe())
+        self.algorithm = digest_algorithm(reply.digest, self.options.verifies_all, self.describe())
         stream = self.conns.first
         body = stream.frame()
         stream.ended("the header")
@@ -235,7 +235,7 @@ class Receive:
             self.deadline,
             options.stall_timeout,
             self.algorithm,
-            inline=options.verify == "all",
+            inline=options.verifies_all,
         )
         streams = self.conns.streams(options.streams)
         messages = len(inbox.plan)
@@ -268,7 +268,7 @@ class Receive:
                 # Device memory is not relayed: the downstream is refused and fetches from the source.
                 duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
                 duty = None if duty.stopped else duty
-            inline = self.options.verify == "all"
+            inline = self.options.verifies_all
             inbox = Inbox(parsed, self.plan, landed, unstager, duty, self.options.progress, self.algorithm, inline)
             if stripe:
                 self.receive_striped(inbox, parsed.header.chunk_bytes)
@@ -291,10 +291,11 @@ class Receive:
         self.conns.close()
 
 
-def digest_algorithm(name: str | None, verify: str, source: str) -> digests.Algorithm | None:
-    """The algorithm ``source`` chose from this side's offer (None: it publishes no digests)."""
+def digest_algorithm(name: str | None, verifies_all: bool, source: str) -> digests.Algorithm | None:
+    """The algorithm ``source`` chose from this side's offer (None: it publishes no digests); with
+    ``verifies_all``, a source that publishes none is refused."""
     if name is None:
-        if verify == "all":
+        if verifies_all:
             raise IntegrityError(
                 f"verify='all': {source} publishes no digests to check the data against "
                 "(a release before digests); receive from it with verify='relayed'"
