@@ -394,3 +394,44 @@ def test_a_drop_is_named_once_per_peer(caplog: pytest.LogCaptureFixture) -> None
         f"dropping the peer at mem://{peer} for this receive of step {STEP}: error reply [stalled] no; "
         "its spans go to the others"
     ]
+
+
+def test_a_member_the_source_names_is_connected_and_a_connection_that_comes_back_gets_work_again() -> None:
+    net = planner(swarm=Swarm(OWN))
+    net.carry_out(net.plan.start())
+    assert net.connects == []  # the relay order named nobody
+    source = net.add()
+    net.tick()
+    [question] = [q for q in net.plan.registry.of(Question) if q.peer == SOURCE]
+    net.answer(source, wire.have_reply(question.xfer, None, 16, peers=[("tcp://new:1", PEER_TOKEN)], claimed=(0, 4)))
+    assert net.connects == [1]  # a later member: connected, to be asked what it holds
+    assert net.plan.book.reserved.bits == 0b1111  # and the messages the source reserved for this member
+    net.tick(0.01)
+    assert [(s.first, s.stop) for s in net.spans(source)] == [(0, 4)]  # only what it reserved
+    net.plan.connection(source, True, 0.02)  # down: its spans go back, the DEALER reconnects by itself
+    net.tick(0.2)
+    assert net.spans(source) == [] and net.plan.lanes[source].interrupted
+    net.plan.connection(source, True, None)  # back within the grace
+    net.tick(0.3)
+    assert not net.plan.lanes[source].interrupted and [(s.first, s.stop) for s in net.spans(source)] == [(0, 4)]
+
+
+def test_a_source_that_refuses_the_digests_leaves_no_peer_and_what_they_sent_is_asked_again() -> None:
+    net = with_a_peer()
+    source, peer = 0, 1
+    held = net.spans(peer)[0]
+    net.serve(peer, held)
+    assert held.first not in net.landed  # held until its digest comes
+    # Read-ahead refused first (the source may hash device memory only as it sends it): only reading ahead stops.
+    for ahead in list(net.plan.registry.of(DigestRequest)):
+        net.answer(ahead.stream, wire.error_reply(ahead.xfer, wire.ERR_BAD_REQUEST, "not ahead"))
+    assert peer not in net.closed and net.plan.digests is not None
+    net.tick(0.0015)  # the held messages' digests asked for again, as spans reach them
+    request = next(r for r in net.plan.registry.of(DigestRequest) if r.first <= held.first < r.stop)
+    assert not request.ahead
+    net.answer(request.stream, wire.error_reply(request.xfer, wire.ERR_BAD_REQUEST, "no digests here"))
+    assert peer in net.closed and net.plan.digests is None  # nothing a peer sends can be checked
+    for span in net.spans(source):
+        net.serve(source, span)
+    net.tick(0.002)
+    assert any(s.first <= held.first < s.stop for s in net.spans(source))  # from the source now
