@@ -43,11 +43,11 @@ def _sender(gib: float, rounds: int, receivers: int, barrier: Any, meta: Any, do
 
 def _receiver(metadata: str, rounds: int, barrier: Any, done: Any, results: Any) -> None:
     from zmqtransport import ZMQTransport
-    from zmqtransport.fetch import liveness
+    from zmqtransport.fetch import streams
 
     waits: list[float] = []
     arrivals: list[float] = []
-    original = liveness.SourceWatch.wait
+    original = streams.SourceWatch.wait
 
     def timed(self: Any, deadline: float, in_transfer: bool) -> Any:
         started = time.monotonic()
@@ -56,7 +56,7 @@ def _receiver(metadata: str, rounds: int, barrier: Any, done: Any, results: Any)
             waits.append(time.monotonic() - started)
         return outcome
 
-    liveness.SourceWatch.wait = timed  # type: ignore[method-assign]
+    streams.SourceWatch.wait = timed  # type: ignore[method-assign]
 
     def progress(done_bytes: int, total: int) -> None:
         arrivals.append(time.monotonic())

@@ -15,9 +15,10 @@ import zmq
 from zmqtransport import ProtocolError, buffers, wire
 from zmqtransport.codec import skeleton
 from zmqtransport.fetch import landing
-from zmqtransport.fetch.landed import land
+from zmqtransport.fetch.inbox import Inbox
+from zmqtransport.fetch.landed import build, land
 from zmqtransport.fetch.landing import Fresh, FreshBounced, InArena, InPlace, InPlaceBounced, LandingOptions
-from zmqtransport.fetch.replies import recv_exact
+from zmqtransport.fetch.streams import MemoryStream, recv_exact
 
 MIB = 1024 * 1024
 PACK_BELOW = 64 * 1024
@@ -201,6 +202,32 @@ def test_execution_allocates_what_the_plan_says() -> None:
         assert landed.arena is not None and landed.arena.nbytes == buffers.arena_size(result.arena.sizes)  # type: ignore[union-attr]
     finally:
         landed.close()
+
+
+def test_data_messages_land_from_any_stream_the_same_way() -> None:
+    # The stream seam (fetch/streams.py): an in-memory stream in place of a DEALER, the same Inbox.
+    state = {f"t{i}": torch.arange(3, dtype=torch.float32) + i for i in range(40)} | {"big": torch.ones(MIB)}
+    targets = {"big": torch.zeros(MIB)}
+    parsed, result = plan(state, targets)
+    chunks = wire.plan_chunks(parsed.header.storages, parsed.header.chunk_bytes, parsed.header.pack_below)
+    encoded = skeleton.encode_tree(state)
+    stream = MemoryStream()
+    for seq, pieces in enumerate(chunks):
+        data = b"".join(bytes(encoded.storages[p.storage].view(p.start, p.start + p.length)) for p in pieces)
+        stream.put(wire.data_envelope(1, seq, None), data)
+    landed = land(result, prefault_threads=0)
+    try:
+        inbox = Inbox(parsed, chunks, landed, None)
+        for _ in chunks:
+            reply = stream.reply("the source")
+            assert reply is not None
+            inbox.land(stream, reply, "the source")
+        assert stream.reply("the source") is None and all(inbox.done)
+        got = build(parsed, landed)
+    finally:
+        landed.close()
+    assert got["big"] is targets["big"] and torch.equal(got["big"], state["big"])
+    assert all(torch.equal(got[f"t{i}"], state[f"t{i}"]) for i in range(40))
 
 
 # ----------------------------------------------------------------------------- DTensor shards

@@ -4,7 +4,10 @@ Two wings on shared ground: ``serve/`` (sending) and ``fetch/`` (receiving)
 never import each other; nothing on the shared ground imports either wing or
 the facade; no module imports itself back through a cycle; and no module
 re-exports a name it does not define (package ``__init__`` files, whose job
-that is, aside). Read from the source with ``ast``: nothing is imported.
+that is, aside). The receiving wing has the sending wing's shape: its planner
+and the pure books under it use no sockets and no threads, at most seven of
+its modules import zmq, and none of its classes is over 240 lines of code.
+Read from the source with ``ast``: nothing is imported.
 """
 
 from __future__ import annotations
@@ -302,10 +305,10 @@ def code_lines(source: str, node: ast.ClassDef) -> int:
     return len(lines - docstrings)
 
 
-def test_no_serve_class_is_over_240_lines_of_code() -> None:
-    """A class past 240 lines of code holds more than one role (the review's measure; serve/ keeps to it)."""
+def test_no_class_of_either_wing_is_over_240_lines_of_code() -> None:
+    """A class past 240 lines of code holds more than one role (the review's measure; both wings keep to it)."""
     sizes = {}
-    for path in SERVE.rglob("*.py"):
+    for path in [*SERVE.rglob("*.py"), *(PACKAGE / "fetch").rglob("*.py")]:
         source = path.read_text()
         tree = ast.parse(source)
         for node in ast.walk(tree):
@@ -313,3 +316,48 @@ def test_no_serve_class_is_over_240_lines_of_code() -> None:
                 sizes[f"{module_name(path)}.{node.name}"] = code_lines(source, node)
     over = {name: size for name, size in sizes.items() if size > MAX_CLASS_CODE_LINES}
     assert not over, f"split these by role: {over}"
+
+
+# ----------------------------------------------------------------------------- the receiving wing's shape
+
+FETCH = PACKAGE / "fetch"
+# The receive's planner and the pure books and rules under it: no sockets, no threads (docs/architecture.md).
+PURE_RECEIVE = ("planner", "spans", "peers", "verify", "registry", "requests", "liveness", "replies")
+
+
+def outside_imports(path: Path) -> set[str]:
+    """The top-level names of what ``path`` imports from outside the package (``zmq``, ``threading``, ...)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_receive_planner_and_its_books_use_no_sockets_and_no_threads() -> None:
+    edges = graph()
+    # What the planner reaches through the package's own imports, itself included.
+    reached, todo = set(), ["zmqtransport.fetch.planner"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(edges.get(module, ()))
+    assert {f"zmqtransport.fetch.{name}" for name in PURE_RECEIVE} <= reached
+    offenders = []
+    for module in sorted(reached):
+        path = PACKAGE.parent / Path(*module.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        if module in ("zmqtransport", "zmqtransport.fetch"):
+            continue  # packages that gather names
+        banned = outside_imports(path) & {"zmq", "threading", "socket", "selectors"}
+        if banned:
+            offenders.append((module, sorted(banned)))
+    assert not offenders, offenders
+
+
+def test_at_most_seven_modules_of_the_receiving_wing_import_zmq() -> None:
+    using = sorted(path.stem for path in FETCH.glob("*.py") if "zmq" in outside_imports(path))
+    assert len(using) <= 7, using

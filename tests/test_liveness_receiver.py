@@ -71,6 +71,16 @@ def test_only_an_established_connection_can_be_lost() -> None:
     assert state.lost_for(10.0) is None
 
 
+def test_the_monitor_events_liveness_reads_are_libzmqs() -> None:
+    from zmqtransport.fetch import liveness
+
+    assert (liveness.HANDSHAKE_SUCCEEDED, liveness.DISCONNECTED, liveness.CONNECT_RETRIED) == (
+        zmq.EVENT_HANDSHAKE_SUCCEEDED,
+        zmq.EVENT_DISCONNECTED,
+        zmq.EVENT_CONNECT_RETRIED,
+    )
+
+
 # ----------------------------------------------------------------------------- dead source
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
+from zmqtransport import wire
 from zmqtransport.fetch.peers import HAVE_EVERY, MEMBERS_EVERY, Peers, start_offset
 from zmqtransport.fetch.spans import SOURCE
 
@@ -102,32 +102,34 @@ def test_a_claim_makes_the_source_due_at_once() -> None:
 
 
 def test_questions_go_over_question_connections_and_the_sources_in_turn() -> None:
-    from types import SimpleNamespace
-
-    from zmqtransport.fetch.asking import Asking, SpanTerms
-    from zmqtransport.fetch.spans import SpanBook
+    from zmqtransport import digests
+    from zmqtransport.fetch.planner import ReceivePlanner, Send, Swarm
+    from zmqtransport.fetch.registry import Question
+    from zmqtransport.fetch.requests import SpanTerms
 
     sent: dict[str, list[bytes]] = {}
+    names = ["source-data", "source-q0", "source-q1", "peer-data", "peer-q"]
+    terms = SpanTerms(1, 7, False, 1e9, None, digests.algorithm(digests.SHA256))
+    plan = ReceivePlanner(list(range(9)), terms, 2, "the source", Swarm(OWN, [("tcp://a:1", A)]))
+    plan.start()
+    for name, peer, questions in [("source-data", SOURCE, False), ("source-q0", SOURCE, True),
+                                  ("source-q1", SOURCE, True), ("peer-data", 1, False), ("peer-q", 1, True)]:
+        plan.add_stream(peer, None if peer == SOURCE else A, questions, name, 0.0)
 
-    def connection(name: str, peer: int, questions: bool) -> Any:
-        socket = SimpleNamespace(send=lambda data, flags=0: sent.setdefault(name, []).append(data))
-        return SimpleNamespace(peer=peer, token=None if peer == SOURCE else A, questions=questions, gone="",
-                               interrupted=False, socket=socket)
+    def send(now: float) -> None:
+        """The questions (have requests) the planner sends now, by the name of the connection they go on."""
+        for action in plan.tick(now):
+            if isinstance(action, Send) and wire.decode_request(action.request).op == wire.OP_HAVE:
+                sent.setdefault(names[action.stream], []).append(action.request)
 
-    streams = [connection("source-data", SOURCE, False), connection("source-q0", SOURCE, True),
-               connection("source-q1", SOURCE, True), connection("peer-data", 1, False),
-               connection("peer-q", 1, True)]
-    book = SpanBook(8, 0, 2)
-    for stream in streams:
-        book.add_stream(stream.peer, data=not stream.questions)
-    peers = Peers(OWN, [("tcp://a:1", A)])
-    peers.learn()
-    asking = Asking(streams, book, SpanTerms(1, 7, False, 1e9, None), peers, None, None)
-    asking.send(0.0)
+    send(0.0)
     first = set(sent) - {"peer-q"}
     assert "peer-q" in sent and first in ({"source-q0"}, {"source-q1"})  # nothing where data flows
-    asking.answered_by_source(next(iter(asking._to_source_asked)), None)
-    peers.answered(next(x for x, p in peers._asked.items() if p == SOURCE))
-    asking.send(MEMBERS_EVERY + 0.001)
+    question = next(q for q in plan.registry.of(Question) if q.peer == SOURCE)
+    plan.out.source_answered(question, None)
+    peers = plan.peers
+    assert peers is not None
+    peers.answered(question.xfer)
+    send(MEMBERS_EVERY + 0.001)
     assert {"source-q0", "source-q1"} <= set(sent)  # the next question to the source: over its other path
     assert "source-data" not in sent and "peer-data" not in sent

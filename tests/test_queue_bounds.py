@@ -114,15 +114,15 @@ def test_cutting_one_connection_frees_what_libzmq_queued_for_it_and_nothing_else
     router = Router(context, ["127.0.0.1"], 0, None)
     try:
         stuck, reader = _dealer(context, router.port), _dealer(context, router.port)
-        stuck.send(b"hello")
-        reader.send(b"hello")
-        peers: list[bytes] = []
+        stuck.send(b"stuck")
+        reader.send(b"reader")
+        peers: dict[bytes, bytes] = {}  # which hello came on which connection: they may arrive in any order
         deadline = time.monotonic() + 10
         while len(peers) < 2 and time.monotonic() < deadline:
             router.socket.poll(100)
-            peers += [peer for peer, _, _ in router.read()]
+            peers.update({frames[0].bytes: peer for peer, _, frames in router.read()})
         assert len(peers) == 2
-        stuck_id, reader_id = peers
+        stuck_id, reader_id = peers[b"stuck"], peers[b"reader"]
         payload = bytearray(MiB)
         trackers = [router.send_data(stuck_id, b"env", memoryview(payload), track=True) for _ in range(32)]
         deadline = time.monotonic() + 2

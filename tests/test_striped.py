@@ -295,16 +295,16 @@ def test_a_frozen_path_does_not_make_the_receiving_loop_spin(
     # The frozen path's span goes quiet while the live path is busy with its own: nothing can take it
     # over until the live path has room, which a message arriving tells. Meanwhile the loop must wait
     # on its sockets; it used to pass again at once, as long as the live path stayed busy.
-    from zmqtransport.fetch import striped
+    from zmqtransport.fetch import owner
 
     waits: list[int] = []
-    wait_ms = striped.StripedReceive._wait_ms
+    wait_ms = owner.Owner._wait_ms
 
-    def recorded(self: striped.StripedReceive, now: float) -> int:
+    def recorded(self: owner.Owner, now: float) -> int:
         waits.append(wait_ms(self, now))
         return waits[-1]
 
-    monkeypatch.setattr(striped.StripedReceive, "_wait_ms", recorded)
+    monkeypatch.setattr(owner.Owner, "_wait_ms", recorded)
     sender = make_transport(checksum=True)
     relay = relays((LOOPBACK, port_of(sender)), after=6 << 20, how="freeze")
     receiver = make_transport(stall_timeout=None, timeout=timedelta(seconds=20))

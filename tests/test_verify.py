@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 from urllib.parse import quote
 
@@ -26,9 +25,20 @@ from zmqtransport import ZMQTransport, digests, relayed, security, wire
 from zmqtransport.bench.rogue import become_rogue
 from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.errors import IntegrityError, ProtocolError
-from zmqtransport.fetch.checking import AHEAD_PATIENCE, AHEAD_REQUESTS, AHEAD_RUN, DigestTerms, RelayCheck
-from zmqtransport.fetch.spans import DEPTH, HELD, LANDED, MISSING, SpanBook
-from zmqtransport.fetch.verify import DigestBook, Verdict
+from zmqtransport.fetch.liveness import RECONNECT_GRACE
+from zmqtransport.fetch.planner import (
+    AHEAD_PATIENCE,
+    AHEAD_REQUESTS,
+    AHEAD_RUN,
+    Action,
+    Cancel,
+    ReceivePlanner,
+    Send,
+    Swarm,
+)
+from zmqtransport.fetch.requests import SpanTerms
+from zmqtransport.fetch.spans import DEPTH, HELD, LANDED, MISSING, SOURCE, SpanBook
+from zmqtransport.fetch.verify import DigestBook, DigestRequest, Verdict
 from zmqtransport.net import parse_metadata
 from zmqtransport.serve import actions, scheduler, swarm
 from zmqtransport.serve.actions import SendHeader
@@ -106,48 +116,62 @@ def test_digest_book_finds_the_next_run_to_read_ahead() -> None:
     assert book.ahead(0, 4) is None
 
 
-def _source_connection(sent: list[bytes]) -> Any:
-    """What RelayCheck uses of a connection to the source: its socket's send and its watch's state."""
-    state = SimpleNamespace(established=True, lost_at=None)
-    socket = SimpleNamespace(send=lambda data, flags=0: sent.append(data))
-    return SimpleNamespace(token=None, gone="", questions=False, socket=socket, watch=SimpleNamespace(state=state))
+def _checking(known: Any = (), questions: bool = False) -> ReceivePlanner:
+    """A receive's planner (tests/test_planner.py) with a connection to the source that is up, and
+    ``known`` peers (none of them connected), checking what peers send against the source's digests."""
+    terms = SpanTerms(1, 7, False, time.monotonic() + 60, None, SHA)
+    plan = ReceivePlanner(list(range(101)), terms, 4, "the source", Swarm(None, known))
+    plan.add_stream(SOURCE, None, False, "tcp://source:1", 0.0)
+    plan.connection(0, True, None)
+    if questions:
+        plan.add_stream(SOURCE, None, True, "tcp://source:1", 0.0)  # its handshake is not done
+    plan.start()
+    return plan
+
+
+def _asked(plan: ReceivePlanner, actions: list[Action], kind: type = DigestRequest) -> list[Send]:
+    """The requests of one kind (digest requests by default) among ``actions``."""
+    return [a for a in actions if isinstance(a, Send) and isinstance(plan.registry.asked.get(a.xfer), kind)]
 
 
 def test_a_receive_with_peers_reads_digests_ahead_and_a_refused_read_ahead_only_stops_it() -> None:
-    sent: list[bytes] = []
-    check = RelayCheck([_source_connection(sent)], 100, DigestTerms(1, 7, SHA, time.monotonic() + 60))
-    check.ask([], 0.0)
-    assert sent == []  # no peers yet: nothing is asked ahead (the source would hash for nothing)
-    check.ask([], 0.0, ahead=True)
-    requests = sorted(check.book.requests.values(), key=lambda r: r.first)
+    lonely = _checking()
+    assert _asked(lonely, lonely.tick(0.0)) == []  # no peers yet: nothing is asked ahead (the source would hash
+    # for nothing)
+    plan = _checking([("tcp://a:1", b"a" * 16)])
+    check = plan.digests
+    assert check is not None
+    sent = _asked(plan, plan.tick(0.0))
+    requests = sorted(check.requests.values(), key=lambda r: r.first)
     runs = [(n * AHEAD_RUN, (n + 1) * AHEAD_RUN, True) for n in range(AHEAD_REQUESTS)]
     assert [(r.first, r.stop, r.ahead) for r in requests] == runs
     assert len(sent) == AHEAD_REQUESTS
-    check.answered(wire.Reply("digests", requests[0].xfer, False, seq=0, dg=b"d" * 32 * AHEAD_RUN), "the source")
-    check.ask([], 0.1, ahead=True)
-    assert max(r.stop for r in check.book.requests.values()) == (AHEAD_REQUESTS + 1) * AHEAD_RUN  # the next run
+    reply = wire.Reply("digests", requests[0].xfer, False, seq=0, dg=b"d" * 32 * AHEAD_RUN)
+    plan.on_reply(0, reply, "the source", 0.05)
+    plan.tick(0.1)
+    assert max(r.stop for r in check.requests.values()) == (AHEAD_REQUESTS + 1) * AHEAD_RUN  # the next run
     # The source refuses one (it may hash device memory only as it sends it): reading ahead stops,
     # peers are still used, and what it covered is asked for as spans reach it.
-    assert check.refused(requests[1].xfer) is False and not check.reads_ahead
-    before = len(sent)
-    check.ask([], 0.2, ahead=True)
-    assert len(sent) == before
-    assert check.refused(12345) is None  # not a digest request of this receive
-    assert check.book.wanted(AHEAD_RUN, AHEAD_RUN + 1) == [(AHEAD_RUN, AHEAD_RUN + 1)]
+    assert plan.out.digests_refused(requests[1].xfer) is False and not plan.out.reads_ahead
+    assert _asked(plan, plan.tick(0.2)) == []
+    assert plan.out.digests_refused(12345) is None  # not a digest request of this receive
+    assert check.wanted(AHEAD_RUN, AHEAD_RUN + 1) == [(AHEAD_RUN, AHEAD_RUN + 1)]
 
 
 def test_a_read_ahead_the_source_does_not_answer_soon_is_cancelled_and_reading_ahead_stops() -> None:
-    sent: list[bytes] = []
-    check = RelayCheck([_source_connection(sent)], 100, DigestTerms(1, 7, SHA, time.monotonic() + 60))
-    check.ask([], 0.0, ahead=True)
-    assert len(check.book.requests) == AHEAD_REQUESTS
-    check.ask([], AHEAD_PATIENCE / 2, ahead=True)
-    assert len(check.book.requests) == AHEAD_REQUESTS and check.reads_ahead
-    check.ask([], AHEAD_PATIENCE * 1.5, ahead=True)  # e.g. device memory: hashed only as it is sent
-    assert check.book.requests == {} and not check.reads_ahead
-    cancels = [wire.decode_request(frame) for frame in sent[AHEAD_REQUESTS:]]
-    assert [c.op for c in cancels] == [wire.OP_CANCEL] * AHEAD_REQUESTS
-    assert check.book.ahead(0, 4) == (0, 4)  # asked for again as spans reach those messages
+    plan = _checking([("tcp://a:1", b"a" * 16)])
+    check = plan.digests
+    assert check is not None
+    plan.tick(0.0)
+    ahead = set(check.requests)
+    assert len(ahead) == AHEAD_REQUESTS
+    plan.tick(AHEAD_PATIENCE / 2)
+    assert len(check.requests) == AHEAD_REQUESTS and plan.out.reads_ahead
+    actions = plan.tick(AHEAD_PATIENCE * 1.5)  # e.g. device memory: hashed only as it is sent
+    assert check.requests == {} and not plan.out.reads_ahead
+    cancels = [a for a in actions if isinstance(a, Cancel)]
+    assert sorted(c.xfer for c in cancels) == sorted(ahead) and len(cancels) == AHEAD_REQUESTS
+    assert check.ahead(0, 4) == (0, 4)  # asked for again as spans reach those messages
 
 
 # ----------------------------------------------------------------------------- held messages in the span book
@@ -592,16 +616,12 @@ def test_verify_option_is_checked() -> None:
 
 
 def test_digests_are_asked_over_the_question_connection_even_before_it_is_up() -> None:
-    data_sent: list[bytes] = []
-    question_sent: list[bytes] = []
-    data = _source_connection(data_sent)
-    questions = _source_connection(question_sent)
-    questions.questions = True
-    questions.watch.state.established = False  # its handshake is not done: the request waits in it
-    check = RelayCheck([data, questions], 100, DigestTerms(1, 7, SHA, time.monotonic() + 60))
-    check.ask([], 0.0, ahead=True)
+    plan = _checking([("tcp://a:1", b"a" * 16)], questions=True)  # its handshake is not done: the request waits
+    sent = _asked(plan, plan.tick(0.0))
+    data_sent = [s for s in sent if s.stream == 0]
+    question_sent = [s for s in sent if s.stream == 1]
     assert data_sent == [] and len(question_sent) == AHEAD_REQUESTS  # never behind the data
-    questions.gone = "connection lost"
-    check.source_lost(1)
-    check.ask([], 0.1, ahead=True)
-    assert data_sent  # with no question connection left, a data connection carries them
+    plan.connection(1, True, 0.0)  # up, then lost for good
+    sent = _asked(plan, plan.tick(RECONNECT_GRACE))
+    assert plan.lanes[1].gone and sent and all(s.stream == 0 for s in sent)
+    # with no question connection left, a data connection carries them

@@ -28,8 +28,8 @@ from . import security, sockets, wire
 from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device
 from .fetch import FetchOptions, ProgressCallback, Published, RelayOffer, fetch, fetch_digests, fetch_header
-from .fetch.connection import Configure
 from .fetch.options import VERIFY_CHOICES
+from .fetch.streams import Configure
 from .gcpause import paused_gc
 from .net import PeerAddress, advertised_hosts, parse_metadata, paths_with_ports, split_hosts
 from .serve import Server

@@ -55,9 +55,9 @@ def become_rogue(mode: str) -> None:
     elif mode == "silent":
         relayed.Relayed.available = lambda self, seq: False  # type: ignore[method-assign]
     elif mode == "hoard":
-        from ..fetch import asking, spans
+        from ..fetch import planner, spans
 
-        asking.CLAIM_MESSAGES = wire.MAX_CREDIT
+        planner.CLAIM_MESSAGES = wire.MAX_CREDIT
         spans.Reservations.add = lambda self, first, stop: None  # type: ignore[method-assign]  # thrown away
     elif mode != "shutdown":
         raise ValueError(f"unknown rogue mode {mode!r}; known: {', '.join(MODES)}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -21,44 +20,38 @@ import zmq
 from .. import sockets, wire
 from ..errors import ProtocolError
 from ..net import Path, PeerAddress, parse_metadata
-from . import liveness, racing
+from . import racing
+from .streams import REFUSAL_EVENTS, Configure, Context, DealerStream, SourceWatch, configure_heartbeats
 
-Configure = Callable[[zmq.Socket[Any]], None]
 
-
-@dataclass(eq=False)
-class Connection:
-    """One DEALER of a receive: the path it connects to, the socket, the watch on its connection.
+class Connection(DealerStream):
+    """One DEALER of a receive (a :class:`~.streams.Stream`): the path it connects to, the socket, the watch.
 
     ``peer`` and ``token`` name a swarm peer (``token`` shown in every span
-    fetch, docs/protocol.md, "Swarm"); 0 and None for the source. The other
-    fields are what a striped receive learns about the connection while it runs.
+    fetch, docs/protocol.md, "Swarm"); 0 and None for the source.
+    ``questions``: it carries questions only (have, members, digests, signs of
+    life), never a span fetch, so their answers never queue behind data
+    (docs/protocol.md, "Swarm").
     """
 
-    path: Path
-    socket: zmq.Socket[Any]
-    watch: liveness.SourceWatch
-    peer: int = 0
-    token: bytes | None = None
-    # It carries questions only (have, members, digests, signs of life), never a span
-    # fetch, so their answers never queue behind data (docs/protocol.md, "Swarm").
-    questions: bool = False
-    interrupted: bool = False  # its connection dropped; given RECONNECT_GRACE to come back
-    gone: str = ""  # why it was dropped ("" while in use)
-    bytes: int = 0  # landed from this connection
-    messages: int = 0
-
-    @property
-    def endpoint(self) -> str:
-        return self.path.endpoint
-
-    def close(self) -> None:
-        self.watch.close()
-        self.socket.close(linger=0)
+    def __init__(
+        self,
+        path: Path,
+        socket: zmq.Socket[Any],
+        watch: SourceWatch,
+        peer: int = 0,
+        token: bytes | None = None,
+        questions: bool = False,
+    ) -> None:
+        super().__init__(socket, watch, path.endpoint)
+        self.path = path
+        self.peer = peer
+        self.token = token
+        self.questions = questions
 
 
 def open_connection(
-    context: zmq.Context[Any], path: Path, configure: Configure, stall_timeout: float | None, racing: bool = False
+    context: Context, path: Path, configure: Configure, stall_timeout: float | None, racing: bool = False
 ) -> Connection:
     """A DEALER set up by ``configure`` and watched, not yet connected; nothing stays open if that fails.
 
@@ -68,7 +61,7 @@ def open_connection(
     """
     socket = sockets.new_socket(context, zmq.DEALER, configure)
     try:
-        watch = liveness.SourceWatch(socket, stall_timeout, liveness.REFUSAL_EVENTS if racing else 0)
+        watch = SourceWatch(socket, stall_timeout, REFUSAL_EVENTS if racing else 0)
     except BaseException:
         socket.close(linger=0)
         raise
@@ -85,7 +78,7 @@ def dealer_options(stall_timeout: float | None, peer_options: Configure | None) 
         # rebuild its ROUTER (forced release of a stalled receiver) can still
         # answer a request it parked before. Ids must not start with a zero byte.
         sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
-        liveness.configure_heartbeats(sock, stall_timeout)
+        configure_heartbeats(sock, stall_timeout)
         if peer_options is not None:
             peer_options(sock)
 
@@ -97,7 +90,7 @@ class Connections:
 
     def __init__(
         self,
-        context: zmq.Context[Any],
+        context: Context,
         address: PeerAddress,
         stall_timeout: float | None,
         source_options: Configure | None,

@@ -2,7 +2,7 @@
 
 One :class:`Inbox` per receive, used by the receiving thread for every data
 message, whichever connection it came on (one stream, or several:
-:mod:`.striped`): the payload frame is received straight into its
+:mod:`.owner`): the payload frame is received straight into its
 destination (a storage's memory, a run of the small-tensor arena, or a pinned
 bounce buffer on its way to device memory), its size, checksum and digest are
 checked, and its copies to the device are queued. A message from a relay is
@@ -20,8 +20,6 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from .. import wire
 from ..codec.keypaths import format_path
 from ..device import RecvUnstager
@@ -30,7 +28,7 @@ from ..errors import IntegrityError, ProtocolError
 from .landed import Landed
 from .landing import ParsedHeader
 from .relaying import RelayDuty
-from .replies import expect_no_more, recv_exact
+from .streams import Stream
 
 
 class Inbox:
@@ -71,16 +69,16 @@ class Inbox:
         self.prefix = 0  # messages from the first on that have all landed
         self.landed_bytes = 0
 
-    def land(self, socket: zmq.Socket[Any], reply: wire.Reply, source: str) -> int:
+    def land(self, stream: Stream, reply: wire.Reply, source: str) -> int:
         """Receive data message ``reply.seq`` from the source, check it, and count it; returns its bytes."""
-        nbytes = self.receive(socket, reply, source)[0]
+        nbytes = self.receive(stream, reply, source)[0]
         self.count(reply.seq, reply.crc)
         return nbytes
 
     def receive(
-        self, socket: zmq.Socket[Any], reply: wire.Reply, source: str, relayed: bool = False
+        self, stream: Stream, reply: wire.Reply, source: str, relayed: bool = False
     ) -> tuple[int, bytes | None]:
-        """Receive the payload of data message ``reply.seq`` (its envelope just read) from ``socket``.
+        """Receive the payload of data message ``reply.seq`` (its envelope just read) from ``stream``.
 
         From the source (``source`` names it in errors): its checksum and,
         inline, its digest are checked (``IntegrityError``). From a relay
@@ -93,8 +91,8 @@ class Inbox:
         pieces = self.plan[seq]
         unstager = self.unstager
         bounced = unstager is not None and unstager.wants(pieces)
-        payload = self._receive_payload(socket, seq, pieces, unstager if bounced else None)
-        expect_no_more(socket, f"data message {seq}")
+        payload = self._receive_payload(stream, seq, pieces, unstager if bounced else None)
+        stream.ended(f"data message {seq}")
         digest = None
         if relayed:
             assert self.algorithm is not None  # a receive that cannot check relays does not use them
@@ -134,7 +132,7 @@ class Inbox:
             self.progress(self.landed_bytes, self.offsets[-1])
 
     def _receive_payload(
-        self, socket: zmq.Socket[Any], seq: int, pieces: list[wire.Piece], unstager: RecvUnstager | None
+        self, stream: Stream, seq: int, pieces: list[wire.Piece], unstager: RecvUnstager | None
     ) -> memoryview:
         """Receive data message ``seq``'s payload where it belongs; return the bytes received."""
         what = f"data message {seq}"
@@ -142,17 +140,17 @@ class Inbox:
         if unstager is not None:
             # Device memory: into a pinned bounce buffer; its copies to the
             # device are queued after the checksum and overlap the next frames.
-            return recv_exact(socket, unstager.buffer(expected, self.bounce_bytes), what, expected)
+            return stream.receive(unstager.buffer(expected, self.bounce_bytes), what, expected)
         destinations = self.landed.destinations
         if len(pieces) == 1:
             piece = pieces[0]
             view = destinations[piece.storage].view[piece.start : piece.start + piece.length]
-            return recv_exact(socket, view, what, expected)
+            return stream.receive(view, what, expected)
         run = self.landed.arena_run(pieces)
         if run is not None:
             # Packed storages that lie back to back in the arena: straight into place.
-            return recv_exact(socket, run, what, expected)
-        payload = recv_exact(socket, None, what, expected)
+            return stream.receive(run, what, expected)
+        payload = stream.receive(None, what, expected)
         at = 0
         for piece in pieces:
             destinations[piece.storage].view[: piece.length] = payload[at : at + piece.length]

@@ -22,21 +22,18 @@ only at the transfer timeout. Two signals are used instead:
   even when the transfer timeout is far off. Only time spent waiting counts:
   a receiver busy with its own page faults or copies is not stalled.
 
-:class:`ConnectionState` is the pure event logic; :class:`SourceWatch`
-feeds it from the monitor socket and waits on the DEALER with every bound.
+This module is pure (no zmq, no clock of its own): the bounds, the
+:class:`ConnectionState` a monitor's events drive, how a wait ended
+(:class:`Wait`) and the one mapping of an ended wait to the exception the
+caller sees (:func:`failure`). :class:`~.streams.SourceWatch` feeds it from
+the DEALER's socket monitor and waits on the DEALER with every bound.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import itertools
-import math
-import time
-from typing import Any
 
-import zmq
-from zmq.utils.monitor import parse_monitor_message
+from ..errors import ConnectionLostError, StalledError
 
 # A lost connection gets this long to come back before the header has arrived
 # (DEALERs reconnect every 100 ms; a source rebuilds its ROUTER in milliseconds).
@@ -51,17 +48,18 @@ HEARTBEAT_IVL = 1.0
 # Heartbeats give up this much later than the stall bound, so a source that
 # freezes mid-transfer is reported as stalled (the more precise error).
 HEARTBEAT_MARGIN = 1.0
+# Seconds a more preferred path that answers nothing holds up a less preferred
+# one that has connected (.racing), and a striped receive waits for a path of
+# the source to connect before giving up on it. A reachable path on a LAN
+# connects in well under a millisecond, so 1 s is a wide margin; an
+# unreachable one costs at most this.
+CONNECT_BOUND = 1.0
 
-_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-# As plain ints: pyzmq's enums cost a few microseconds per operation, on every pass of a receive's loop.
-_READY, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-# A failed connection attempt (another is scheduled): watched only when choosing
-# among several paths (.racing); ConnectionState ignores it.
-REFUSAL_EVENTS = zmq.EVENT_CONNECT_RETRIED
-# Monitor endpoints are named by a counter, not by the socket's descriptor
-# (pyzmq's default): a descriptor is reused as soon as a socket is gone, while
-# libzmq may not have released the old inproc name yet.
-_monitor_ids = itertools.count()
+# The socket monitor's events this module reads, as libzmq numbers them (zmq.h:
+# ZMQ_EVENT_*; tests/test_liveness_receiver.py holds them against pyzmq's).
+HANDSHAKE_SUCCEEDED = 0x1000
+DISCONNECTED = 0x0200
+CONNECT_RETRIED = 0x0004
 
 
 class ConnectionState:
@@ -72,10 +70,10 @@ class ConnectionState:
         self.lost_at: float | None = None  # when the current loss began; None while connected
 
     def on_event(self, event: int, now: float) -> None:
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        if event == HANDSHAKE_SUCCEEDED:
             self.established = True
             self.lost_at = None
-        elif event == zmq.EVENT_DISCONNECTED and self.established and self.lost_at is None:
+        elif event == DISCONNECTED and self.established and self.lost_at is None:
             self.lost_at = now
 
     def lost_for(self, now: float) -> float | None:
@@ -92,77 +90,26 @@ class Wait(enum.Enum):
     LOST = "the connection to the source was lost"
 
 
-class SourceWatch:
-    """Waits for messages on one DEALER while a socket monitor follows its connection.
-
-    Used by the thread that owns the DEALER; :meth:`close` before the DEALER
-    is closed. Created before the DEALER connects, so it sees the handshake.
-    """
-
-    def __init__(self, socket: zmq.Socket[Any], stall_timeout: float | None, extra_events: int = 0) -> None:
-        self._socket = socket
-        self.stall_timeout = stall_timeout
-        address = f"inproc://zmqtransport-monitor-{next(_monitor_ids)}"
-        self._monitor: zmq.Socket[Any] = socket.get_monitor_socket(_EVENTS | extra_events, address)
-        self.state = ConnectionState()
-        self._poller = zmq.Poller()
-        self._poller.register(socket, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-
-    def wait(self, deadline: float, in_transfer: bool) -> Wait:
-        """Block until a message is ready on the DEALER, or until one of the bounds says why not.
-
-        ``in_transfer``: the header has arrived, so the source should be
-        sending (stall bound) and a lost connection cannot come back.
-        """
-        started = time.monotonic()
-        stall_at = started + self.stall_timeout if in_transfer and self.stall_timeout is not None else math.inf
-        grace = SETTLE_AFTER_LOSS if in_transfer else RECONNECT_GRACE
-        while True:
-            now = time.monotonic()
-            self.read_events(now)
-            lost_at = self.state.lost_at
-            lost_deadline = math.inf if lost_at is None else lost_at + grace
-            if now >= lost_deadline:
-                return Wait.LOST
-            if now >= deadline:
-                return Wait.DEADLINE
-            if now >= stall_at:
-                return Wait.STALLED
-            wake = min(deadline, stall_at, lost_deadline)
-            ready = dict(self._poller.poll(max(0, math.ceil((wake - now) * 1000))))
-            if self._socket in ready:
-                return Wait.READY
-
-    @property
-    def monitor(self) -> zmq.Socket[Any]:
-        """The monitor socket, for a poller that waits on several DEALERs at once."""
-        return self._monitor
-
-    def read_events(self, now: float) -> list[int]:
-        """Apply every event the monitor has queued; return them."""
-        events: list[int] = []
-        # Asked first: a receive reads every connection's monitor on each pass of its loop, and
-        # an empty read raises (measured: a sixth of a swarm member's CPU, seven receivers).
-        while int(self._monitor.getsockopt(_READY)) & _POLLIN:
-            try:
-                frames = self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return events
-            event = int(parse_monitor_message(frames)["event"])
-            self.state.on_event(event, now)
-            events.append(event)
-        return events
-
-    def close(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self._socket.disable_monitor()
-        self._monitor.close(linger=0)
+def failure(outcome: Wait, message: str) -> Exception:
+    """The exception a receive raises when a wait ended without a message (the one mapping of the
+    receiving side): a lost connection, a stall, the transfer's deadline."""
+    if outcome is Wait.LOST:
+        return ConnectionLostError(message)
+    if outcome is Wait.STALLED:
+        return StalledError(message)
+    assert outcome is Wait.DEADLINE, outcome
+    return TimeoutError(message)
 
 
-def configure_heartbeats(socket: zmq.Socket[Any], stall_timeout: float | None) -> None:
-    """Ping the source so a connection to a vanished host ends (no stall bound: no heartbeats)."""
-    if stall_timeout is None:
-        return
-    socket.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL * 1000))
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int((stall_timeout + HEARTBEAT_MARGIN) * 1000))
+def silence(outcome: Wait, who: str, waiting_for: str, stall_timeout: float | None, timed_out: str) -> Exception:
+    """:func:`failure` for a wait on ``who`` for ``waiting_for`` (``timed_out``: the deadline's message)."""
+    if outcome is Wait.LOST:
+        return failure(outcome, f"connection lost to {who} while waiting for {waiting_for}")
+    if outcome is Wait.STALLED:
+        assert stall_timeout is not None  # only a wait with a stall bound stalls
+        return failure(
+            outcome,
+            f"recv_checkpoint stalled: nothing from {who} for {stall_timeout:.3g} s (stall_timeout) "
+            f"while waiting for {waiting_for}",
+        )
+    return failure(outcome, timed_out)

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import zmq
 
 from ..device import CPU, DeviceStaging
 from ..net import PeerAddress
 from .landing import LandingOptions
 from .relaying import RelayHost
+from .streams import Configure
 
 ProgressCallback = Callable[[int, int], None]
 VERIFY_CHOICES = ("relayed", "all")
-Configure = Callable[[zmq.Socket[Any]], None]
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,11 @@ class FetchOptions:
     # What is checked against the source's strong digests (docs/protocol.md, "Digests"):
     # "relayed", every message a relay sends; "all", every message, the source's own too.
     verify: str = "relayed"
+
+    @property
+    def verifies_all(self) -> bool:
+        """Whether the source's own messages are checked against its digests too (``verify="all"``)."""
+        return self.verify == "all"
 
     def striped(self, address: PeerAddress) -> bool:
         """Whether a receive from ``address`` asks for the header alone, then for spans on several connections."""

@@ -7,8 +7,9 @@ by asking that peer (a ``have`` request showing the peer's token), each every
 so often, one question outstanding per peer. What the answers say goes into
 the span book (:class:`.spans.SpanBook`); new peers get connections.
 
-:class:`Peers` is pure (explicit ``now``, no sockets); :mod:`.striped` sends
-the questions and feeds it the answers.
+:class:`Peers` is pure (explicit ``now``, no sockets); the receive's planner
+(:mod:`.planner`) asks the questions and feeds it the answers, which are kept
+in the receive's one :class:`~.registry.Registry` of requests.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from .. import wire
+from .registry import Question, Registry
 from .spans import SOURCE
 
 # Seconds between two questions to one peer about what it holds, while this
@@ -58,15 +60,18 @@ class Peers:
 
     ``own_token``: this receive's own token (it asks the source for members
     with it; None: it does not ask). ``known``: the members its relay order
-    named.
+    named. Its questions are kept in ``registry`` (the receive's; a fresh one
+    by default).
     """
 
-    def __init__(self, own_token: bytes | None, known: Sequence[wire.Peer] = ()) -> None:
+    def __init__(
+        self, own_token: bytes | None, known: Sequence[wire.Peer] = (), registry: Registry | None = None
+    ) -> None:
         self.own_token = own_token
         self.tokens: dict[int, bytes] = {}  # peer id -> its token
         self.at: dict[int, str] = {}  # peer id -> where it serves (its paths the source believes)
         self._ids: dict[bytes, int] = {}
-        self._asked: dict[int, int] = {}  # question (transfer id) -> peer id (SOURCE: the members)
+        self.registry = registry if registry is not None else Registry()
         self._next_ask: dict[int, float] = {}
         self._dropped: set[int] = set()
         self._known = list(known)
@@ -116,7 +121,7 @@ class Peers:
         outstanding; the source only when this receive has a token to show (at once with a ``claim``).
         A peer that is not reachable (its connection down, or given up on) has no turn: it is asked
         again once it is back."""
-        waiting = set(self._asked.values())
+        waiting = {question.peer for question in self.registry.of(Question)}
         turns: dict[int, float] = {}
         for peer in reachable:
             if peer in waiting or peer in self._dropped:
@@ -128,15 +133,31 @@ class Peers:
             turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
         return turns
 
-    def asking(self, peer: int, xfer: int, now: float) -> None:
-        self._asked[xfer] = peer
+    def asking(self, peer: int, xfer: int, now: float, claim: bool = False) -> Question:
+        """Question ``xfer`` goes to ``peer`` (to the source: with a ``claim``, or not)."""
+        question = Question(xfer, peer, now, self._next_ask.get(peer, -math.inf), claim)
+        self.registry.add(question)
         self._next_ask[peer] = now + (MEMBERS_EVERY if peer == SOURCE else HAVE_EVERY)
+        return question
+
+    def unasked(self, xfer: int) -> None:
+        """Question ``xfer`` did not go out after all: its peer's turn is as it was."""
+        question = self.question(xfer)
+        if question is not None:
+            self.registry.pop(xfer)
+            self._next_ask[question.peer] = question.turn_before
+
+    def question(self, xfer: int | None) -> Question | None:
+        """The question ``xfer`` still unanswered (None: not a question of ours, or answered)."""
+        return self.registry.get(xfer, Question)
 
     def answered(self, xfer: int | None) -> int | None:
         """The peer a reply to question ``xfer`` comes from (None: not a question of ours)."""
-        if xfer is None:
+        question = self.question(xfer)
+        if question is None:
             return None
-        return self._asked.pop(xfer, None)
+        self.registry.pop(question.xfer)
+        return question.peer
 
     def token_of(self, peer: int) -> bytes | None:
         """What a question to ``peer`` shows: the peer's token, or this receive's own to the source."""
@@ -145,8 +166,8 @@ class Peers:
     def drop(self, peer: int) -> None:
         """Nothing more is asked of ``peer`` for this receive."""
         self._dropped.add(peer)
-        for xfer in [x for x, p in self._asked.items() if p == peer]:
-            del self._asked[xfer]
+        for xfer in [q.xfer for q in self.registry.of(Question) if q.peer == peer]:
+            self.registry.pop(xfer)
 
     def dropped(self, peer: int) -> bool:
         return peer in self._dropped

@@ -14,22 +14,20 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import zmq
 
 from .. import digests, wire
-from ..errors import ConnectionLostError, ProtocolError, StalledError
+from ..errors import ProtocolError
 from ..net import PeerAddress
 from . import liveness
-from .connection import Configure
 from .options import FetchOptions
 from .receive import Receive
-from .replies import discard_rest, next_reply, refusal
+from .replies import refusal
+from .requests import digest_request
+from .streams import Configure, Context
 
 # Messages per digest request: one reply of 256 digests is 8 KiB of envelope.
 BATCH = wire.MAX_CREDIT
-# Requests out at once: within the source's bound per peer (serve.scheduler.Limits.digests_per_peer).
+# Requests out at once: within the source's bound per peer (serve.admission.Limits.digests_per_peer).
 OUTSTANDING = 8
 
 
@@ -47,7 +45,7 @@ class Published:
 
 
 def fetch_digests(
-    context: zmq.Context[Any],
+    context: Context,
     address: PeerAddress,
     step: int,
     timeout: float,
@@ -72,7 +70,7 @@ def fetch_digests(
 
 def _ask_all(receive: Receive, algorithm: digests.Algorithm, stage: int, count: int) -> list[bytes]:
     """The digests of messages [0, count), asked :data:`BATCH` at a time, :data:`OUTSTANDING` requests at once."""
-    connection = receive.conns.first
+    stream = receive.conns.first
     who = receive.describe()
     asked: dict[int, tuple[int, int]] = {}
     batches = [(first, min(first + BATCH, count)) for first in range(0, count, BATCH)]
@@ -81,18 +79,16 @@ def _ask_all(receive: Receive, algorithm: digests.Algorithm, stage: int, count: 
         while batches and len(asked) < OUTSTANDING:
             first, stop = batches.pop(0)
             xfer = random.getrandbits(63)
-            wait_ms = max(0, int((receive.deadline - time.monotonic()) * 1000))
-            request = wire.fetch_request(
-                xfer, receive.step, wait_ms, 1, False, span=(first, stop), stage=stage,
-                verify=[algorithm.name], digests_only=True,
-            )  # fmt: skip
-            connection.socket.send(request)
+            now = time.monotonic()
+            request = digest_request(xfer, receive.step, stage, algorithm, first, stop, receive.deadline, now)
+            if not stream.send_by(request, receive.deadline):
+                raise TimeoutError(f"timed out sending a digest request to {who} (step {receive.step})")
             asked[xfer] = (first, stop)
-        reply = next_reply(connection.socket, who)
+        reply = stream.reply(who)
         if reply is None:
-            _wait(receive, connection.watch)
+            _wait(receive, stream.wait(receive.deadline, in_transfer=True), stream.watch.stall_timeout)
             continue
-        discard_rest(connection.socket)
+        stream.discard()
         if reply.op == wire.OP_ERROR:
             raise refusal(reply, who, receive.step)
         span = asked.pop(reply.xfer, None) if reply.xfer is not None else None
@@ -107,11 +103,7 @@ def _ask_all(receive: Receive, algorithm: digests.Algorithm, stage: int, count: 
     return found
 
 
-def _wait(receive: Receive, watch: liveness.SourceWatch) -> None:
-    outcome = watch.wait(receive.deadline, in_transfer=True)
-    if outcome is liveness.Wait.LOST:
-        raise ConnectionLostError(f"connection lost to {receive.describe()} while waiting for digests")
-    if outcome is liveness.Wait.STALLED:
-        raise StalledError(f"{receive.describe()} sent no digests for {watch.stall_timeout:.3g} s (stall_timeout)")
-    if outcome is liveness.Wait.DEADLINE:
-        raise TimeoutError(f"timed out waiting for the digests of step {receive.step} from {receive.describe()}")
+def _wait(receive: Receive, outcome: liveness.Wait, stall_timeout: float | None) -> None:
+    if outcome is not liveness.Wait.READY:
+        timed_out = f"timed out waiting for the digests of step {receive.step} from {receive.describe()}"
+        raise liveness.silence(outcome, receive.describe(), "digests", stall_timeout, timed_out)

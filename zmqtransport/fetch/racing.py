@@ -39,12 +39,8 @@ from typing import Any, Protocol, TypeVar
 import zmq
 
 from ..net import Path
-from .liveness import SourceWatch
-
-# Seconds a more preferred path that answers nothing holds up a less preferred
-# one that has connected. A reachable path on a LAN connects in well under a
-# millisecond, so 1 s is a wide margin; an unreachable one costs at most this.
-CONNECT_BOUND = 1.0
+from .liveness import CONNECT_BOUND
+from .streams import SourceWatch
 
 
 class PathChoice:

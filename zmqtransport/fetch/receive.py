@@ -8,37 +8,37 @@ Order of work: request, header, validation and allocation (so a hostile or
 buggy peer is refused before any large allocation; :mod:`.landing` decides,
 :mod:`.landed` allocates), then data messages copied straight into their
 destination storage (:mod:`.inbox`), over one connection while credit is
-returned in batches, or in spans over several (:mod:`.striped`), relaying what
+returned in batches, or in spans over several (the pure :mod:`.planner`
+decides, the :mod:`.owner` carries it out on the sockets), relaying what
 lands when the source asks (:mod:`.relaying`), then the end marker. Only then
 is the object built: nothing partial is ever returned.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import random
 import time
 from typing import Any
 
-import zmq
-
 from .. import buffers, digests, relayed, wire
 from ..device import RecvUnstager
-from ..errors import ConnectionLostError, IntegrityError, ProtocolError, StalledError
+from ..errors import IntegrityError, ProtocolError
 from ..gcpause import paused_gc
 from ..net import PeerAddress, is_local_address
 from ..stats import TransferStats
-from . import landing, liveness, striped
-from .asking import SpanTerms
-from .connection import Configure, Connection, Connections
+from . import landing, liveness
+from .connection import Connections
 from .inbox import Inbox
 from .landed import Landed, build, land
 from .options import FetchOptions
-from .peers import Peers, start_offset
+from .owner import Owner
+from .peers import start_offset
+from .planner import ReceivePlanner, Swarm, span_messages
 from .relaying import RelayDuty
-from .replies import discard_rest, expect_no_more, next_reply, refusal
+from .replies import refusal
+from .requests import SpanTerms, step_request
+from .streams import Configure, Context
 
 logger = logging.getLogger("zmqtransport.fetch")
 
@@ -48,7 +48,7 @@ class Receive:
 
     def __init__(
         self,
-        context: zmq.Context[Any],
+        context: Context,
         address: PeerAddress,
         src_rank: int | None,
         step: int,
@@ -97,32 +97,27 @@ class Receive:
 
     def _next(self, waiting_for: str, in_transfer: bool = False) -> wire.Reply:
         """The next reply of this receive on the connection in use; an error reply raises."""
-        socket = self.conns.first.socket
-        reply = next_reply(socket, self.describe())
+        stream = self.conns.first
+        reply = stream.reply(self.describe())
         while reply is None:
             self._wait(waiting_for, in_transfer)
-            reply = next_reply(socket, self.describe())
+            reply = stream.reply(self.describe())
         if reply.op == wire.OP_ERROR:
-            discard_rest(socket)
+            stream.discard()
             raise refusal(reply, self.describe(), self.step)
         if reply.xfer != self.xfer:
-            discard_rest(socket)
+            stream.discard()
             raise ProtocolError(f"reply for another transfer: {reply.xfer!r}")
         return reply
 
     def _wait(self, waiting_for: str, in_transfer: bool) -> None:
         """Block until a message is ready; raise at the deadline, on a stall or a lost connection."""
-        watch = self.conns.first.watch
-        outcome = watch.wait(self.deadline, in_transfer)
-        if outcome is liveness.Wait.LOST:
-            raise ConnectionLostError(f"connection lost to {self._where()} while waiting for {waiting_for}")
-        if outcome is liveness.Wait.STALLED:
-            raise StalledError(
-                f"recv_checkpoint stalled: nothing from {self._where()} for {watch.stall_timeout:.3g} s "
-                f"(stall_timeout) while waiting for {waiting_for}"
-            )
-        if outcome is liveness.Wait.DEADLINE:
-            raise self._timed_out(waiting_for)
+        stream = self.conns.first
+        outcome = stream.wait(self.deadline, in_transfer)
+        if outcome is not liveness.Wait.READY:
+            timed_out = str(self._timed_out(waiting_for))
+            stall = stream.watch.stall_timeout
+            raise liveness.silence(outcome, self._where(), waiting_for, stall, timed_out)
 
     # ----------------------------------------------------------------- phases
 
@@ -140,19 +135,12 @@ class Receive:
         self.send_request(header_only, offer)
 
     def send_request(self, header_only: bool = False, offer: str | None = None) -> None:
-        wait_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
-        inline = self.options.verify == "all" and not header_only
-        request = wire.fetch_request(
-            self.xfer,
-            self.step,
-            wait_ms,
-            self.options.window,
-            self.options.allow_pickle,
-            header_only,
-            relay=offer,
-            verify=digests.offered(),
-            inline=inline,
-        )
+        inline = self.options.verifies_all and not header_only
+        options, now = self.options, time.monotonic()
+        request = step_request(
+            self.xfer, self.step, self.deadline, now, options.window, options.allow_pickle, header_only,
+            offer, digests.offered(), inline,
+        )  # fmt: skip
         self._send(request, "its request")
 
     def _send(self, frame: bytes, what: str) -> None:
@@ -162,17 +150,8 @@ class Receive:
         torn down and not yet retried) blocks on send: never wait past the
         transfer's deadline for one.
         """
-        socket = self.conns.first.socket
-        while True:
-            try:
-                socket.send(frame, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                pass
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise self._timed_out(f"a connection to send {what} on")
-            socket.poll(max(1, min(100, math.ceil(left * 1000))), zmq.POLLOUT)
+        if not self.conns.first.send_by(frame, self.deadline):
+            raise self._timed_out(f"a connection to send {what} on")
 
     def receive_header(self) -> landing.ParsedHeader:
         reply = self._next("the checkpoint header")
@@ -180,10 +159,10 @@ class Receive:
             raise ProtocolError(f"expected a header, got {reply.op!r}")
         self.stage = reply.stage
         self.order = reply.relay if self.options.relay is not None else None
-        self.algorithm = digest_algorithm(reply.digest, self.options.verify, self.describe())
-        socket = self.conns.first.socket
-        body = socket.recv()
-        expect_no_more(socket, "the header")
+        self.algorithm = digest_algorithm(reply.digest, self.options.verifies_all, self.describe())
+        stream = self.conns.first
+        body = stream.frame()
+        stream.ended("the header")
         header = wire.decode_header(wire.unpack(body, wire.MAX_HEADER_BYTES))
         if header.step != self.step:
             raise ProtocolError(f"asked for step {self.step} but the peer sent step {header.step}")
@@ -193,7 +172,7 @@ class Receive:
         reply = self._next("the end of the transfer", in_transfer=True)
         if reply.op != wire.OP_END:
             raise ProtocolError(f"expected the end marker, got {reply.op!r}")
-        expect_no_more(self.conns.first.socket, "the end marker")
+        self.conns.first.ended("the end marker")
 
     def header_phase(self) -> tuple[landing.ParsedHeader, bool]:
         """Ask for and read the header; returns it and whether the data comes striped (in spans)."""
@@ -227,7 +206,7 @@ class Receive:
 
     def receive_data(self, inbox: Inbox) -> None:
         """Receive every data message on the connection in use, returning credit in batches."""
-        socket = self.conns.first.socket
+        stream = self.conns.first
         source = self.describe()
         messages = len(inbox.plan)
         unacknowledged = 0
@@ -236,7 +215,7 @@ class Receive:
             reply = self._next(f"data message {seq} of {messages}", in_transfer=True)
             if reply.op != wire.OP_DATA or reply.seq != seq or not reply.more:
                 raise ProtocolError(f"expected data message {seq}, got {reply.op!r} {reply.seq!r}")
-            inbox.land(socket, reply, source)
+            inbox.land(stream, reply, source)
             unacknowledged += 1
             if unacknowledged >= batch and seq + 1 < messages:
                 self._send(wire.credit_request(self.xfer, unacknowledged), "credit")
@@ -245,8 +224,8 @@ class Receive:
         self.receive_end()
 
     def receive_striped(self, inbox: Inbox, chunk_bytes: int) -> None:
-        """Receive every data message in spans over several connections (:mod:`.striped`), from the
-        source and, when the source made this receive a swarm member, from the other members."""
+        """Receive every data message in spans over several connections (:mod:`.planner`, :mod:`.owner`),
+        from the source and, when the source made this receive a swarm member, from the other members."""
         assert self.stage is not None  # only a sender that serves spans gets here
         options = self.options
         terms = SpanTerms(
@@ -256,7 +235,7 @@ class Receive:
             self.deadline,
             options.stall_timeout,
             self.algorithm,
-            inline=options.verify == "all",
+            inline=options.verifies_all,
         )
         streams = self.conns.streams(options.streams)
         messages = len(inbox.plan)
@@ -267,19 +246,18 @@ class Receive:
             known = self.order.peers
             if not known and self.order.upstream is not None and self.order.upstream_token is not None:
                 known = ((self.order.upstream, self.order.upstream_token),)  # a source that names one relay
-            swarm = Peers(self.order.token, known)
+            swarm = Swarm(self.order.token, known)
             offset = start_offset(len(known), messages)
         # In a swarm, spans small enough that every member gets several (a slow peer holds few back).
-        span = striped.span_messages(chunk_bytes, messages if swarm else 0, len(streams) + len(known) + 2)
+        span = span_messages(chunk_bytes, messages if swarm else 0, len(streams) + len(known) + 2)
         if swarm is not None:
             streams = [*streams, *self.conns.questions_to_source(streams)]
-        run = striped.StripedReceive(
-            streams, inbox, terms, span, self.describe(False), swarm, self.conns.open_peer, offset
-        )
+        relays = inbox.duty is not None
+        plan = ReceivePlanner(inbox.offsets, terms, span, self.describe(False), swarm, offset, relays)
         try:
-            run.run()
+            Owner(streams, inbox, plan, self.conns.open_peer).run()
         finally:
-            record(self.stats, run.streams, run.duplicates)
+            record(self.stats, plan)
 
     def data_phase(self, parsed: landing.ParsedHeader, stripe: bool, landed: Landed) -> None:
         """Every data message into ``landed``; then this receive's relaying winds down."""
@@ -290,7 +268,7 @@ class Receive:
                 # Device memory is not relayed: the downstream is refused and fetches from the source.
                 duty.attach(None if unstager is not None else [d.view for d in landed.destinations])
                 duty = None if duty.stopped else duty
-            inline = self.options.verify == "all"
+            inline = self.options.verifies_all
             inbox = Inbox(parsed, self.plan, landed, unstager, duty, self.options.progress, self.algorithm, inline)
             if stripe:
                 self.receive_striped(inbox, parsed.header.chunk_bytes)
@@ -305,8 +283,7 @@ class Receive:
             self.duty.finish()
 
     def cancel(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):  # best effort: the peer may be gone
-            self.conns.first.socket.send(wire.cancel_request(self.xfer), zmq.NOBLOCK)
+        self.conns.first.cancel(wire.cancel_request(self.xfer))  # best effort: the peer may be gone
 
     def close(self) -> None:
         if self.duty is not None:
@@ -314,10 +291,11 @@ class Receive:
         self.conns.close()
 
 
-def digest_algorithm(name: str | None, verify: str, source: str) -> digests.Algorithm | None:
-    """The algorithm ``source`` chose from this side's offer (None: it publishes no digests)."""
+def digest_algorithm(name: str | None, verifies_all: bool, source: str) -> digests.Algorithm | None:
+    """The algorithm ``source`` chose from this side's offer (None: it publishes no digests); with
+    ``verifies_all``, a source that publishes none is refused."""
     if name is None:
-        if verify == "all":
+        if verifies_all:
             raise IntegrityError(
                 f"verify='all': {source} publishes no digests to check the data against "
                 "(a release before digests); receive from it with verify='relayed'"
@@ -341,18 +319,19 @@ def relay_offer(options: FetchOptions, source: PeerAddress) -> str | None:
     return options.relay.at
 
 
-def record(stats: TransferStats, streams: list[Connection], duplicates: int) -> None:
+def record(stats: TransferStats, plan: ReceivePlanner) -> None:
     """What a striped receive's connections carried, into its statistics."""
-    stats.streams = sum(1 for stream in streams if not stream.questions)
-    stats.messages = sum(stream.messages for stream in streams)
-    stats.duplicate_messages = duplicates
-    for stream in streams:
-        if stream.bytes:
-            stats.paths[stream.endpoint] = stats.paths.get(stream.endpoint, 0) + stream.bytes
+    lanes = plan.lanes
+    stats.streams = sum(1 for lane in lanes if not lane.questions)
+    stats.messages = sum(lane.messages for lane in lanes)
+    stats.duplicate_messages = plan.duplicates
+    for lane in lanes:
+        if lane.bytes:
+            stats.paths[lane.endpoint] = stats.paths.get(lane.endpoint, 0) + lane.bytes
 
 
 def fetch(
-    context: zmq.Context[Any],
+    context: Context,
     address: PeerAddress,
     src_rank: int,
     step: int,
@@ -413,7 +392,7 @@ def _finish_stats(receive: Receive, parsed: landing.ParsedHeader, landed: Landed
 
 
 def fetch_header(
-    context: zmq.Context[Any],
+    context: Context,
     address: PeerAddress,
     step: int,
     timeout: float,

@@ -37,8 +37,9 @@ arrives: asked for by nobody else, but not landed until the receive has
 checked it against the source's digest (:mod:`.verify`); then it is
 :meth:`SpanBook.verified`, or :meth:`SpanBook.rejected` and asked for again.
 
-:class:`SpanBook` is pure (explicit ``now``, no zmq); :mod:`.striped` carries
-its decisions out on the sockets. Sets of messages are Python integers used
+:class:`SpanBook` is pure (explicit ``now``, no zmq); the receive's planner
+(:mod:`.planner`) consults it, and its outstanding spans live in the
+receive's one :class:`~.registry.Registry` of requests. Sets of messages are Python integers used
 as bit sets (bit ``seq``): a receive of 4 GiB in 1 MiB messages makes each
 set operation a few microseconds.
 """
@@ -49,6 +50,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..bitsets import lowest, lowest_from, run, run_length
+from .registry import Registry
 
 # Bytes per span: small enough that a lost path's outstanding work is a few
 # megabytes and that streams of unequal speed end close together, large
@@ -220,6 +222,13 @@ def _bit(seq: int) -> int:
     return 1 << seq
 
 
+def _first_missing(landed: bytearray, first: int, stop: int) -> int:
+    """The first message of [first, stop) not arrived (``stop``: none)."""
+    while first < stop and landed[first] != MISSING:
+        first += 1
+    return first
+
+
 class SpanBook:
     """The spans of one striped receive: who may be asked for what, what is outstanding, what has landed.
 
@@ -228,7 +237,8 @@ class SpanBook:
     the plan (spread over receivers that fetch at once). ``span`` and
     ``depth`` are what a stream asks for at once; in a swarm, a stream to the
     source asks for ``source_span`` messages at a time and one to a peer has
-    ``peer_depth`` spans outstanding.
+    ``peer_depth`` spans outstanding. Its spans are kept in ``registry`` (the
+    receive's, shared with its other books; a fresh one by default).
     """
 
     def __init__(
@@ -240,6 +250,7 @@ class SpanBook:
         offset: int = 0,
         source_span: int = SOURCE_SPAN,
         peer_depth: int = PEER_DEPTH,
+        registry: Registry | None = None,
     ) -> None:
         if messages < 0 or streams < 0 or min(span, depth, source_span, peer_depth) < 1:
             raise ValueError("a span book needs messages >= 0, streams >= 0, and spans and depths >= 1")
@@ -252,7 +263,7 @@ class SpanBook:
         # Per message: MISSING, HELD (arrived, waiting to be checked) or LANDED.
         self.landed = bytearray(messages)
         self.missing = messages  # messages not LANDED
-        self.spans: dict[int, Span] = {}  # outstanding, by transfer id
+        self.registry = registry if registry is not None else Registry()
         self._streams: list[_Stream] = []
         self._all = (1 << messages) - 1
         self._holds = _Holdings(self._all)
@@ -264,6 +275,11 @@ class SpanBook:
             self.add_stream(SOURCE)
 
     # ------------------------------------------------------------------ state
+
+    @property
+    def spans(self) -> dict[int, Span]:
+        """The outstanding spans, by transfer id (a copy)."""
+        return {span.xfer: span for span in self.registry.of(Span)}
 
     @property
     def complete(self) -> bool:
@@ -333,7 +349,7 @@ class SpanBook:
         if victim is None:
             return None
         victim.taken_at = now
-        first = self._first_missing(victim.next, victim.stop)
+        first = _first_missing(self.landed, victim.next, victim.stop)
         stop = first + run_length(self._wanted & held, first, victim.stop - first)
         return self._open(xfer, stream, first, stop, now)
 
@@ -344,7 +360,7 @@ class SpanBook:
         once :meth:`verified` (nobody else is asked for it meanwhile). Raises
         ``ValueError`` for a message out of its span's order.
         """
-        span = self.spans.get(xfer)
+        span = self.registry.get(xfer, Span)
         if span is None:
             return None
         if seq != span.next:
@@ -370,7 +386,7 @@ class SpanBook:
 
     def on_end(self, xfer: int) -> list[Span]:
         """A span's ``end`` arrived. Returns the spans now pointless (their messages all landed): cancel them."""
-        span = self.spans.get(xfer)
+        span = self.registry.get(xfer, Span)
         if span is not None:
             if not span.finished:
                 raise ValueError(f"end of span {span.first}..{span.stop} before message {span.next}")
@@ -379,7 +395,8 @@ class SpanBook:
 
     def redundant(self) -> list[Span]:
         """Outstanding spans whose remaining messages all landed by other streams; forgotten here."""
-        done = [s for s in self.spans.values() if not s.finished and self._first_missing(s.next, s.stop) >= s.stop]
+        landed = self.landed
+        done = [s for s in self.registry.of(Span) if _first_missing(landed, s.next, s.stop) >= s.stop > s.next]
         for span in done:
             self._close(span)
         return done
@@ -465,7 +482,7 @@ class SpanBook:
         in the seven-receiver fan-out: 300 passes of the loop in a row).
         """
         due, source_time = math.inf, self._source_time()
-        for span in self.spans.values():
+        for span in self.registry.of(Span):
             if not span.taken_over and not span.finished:
                 stream = self._streams[span.stream]
                 quiet_at = stream.silent_since(span) + stream.quiet_after(source_time)
@@ -542,10 +559,10 @@ class SpanBook:
         source_time = self._source_time()
         best: Span | None = None
         best_score = 0.0
-        for span in self.spans.values():
+        for span in self.registry.of(Span):
             if span.stream == stream or span.taken_over or span.finished:
                 continue
-            first = self._first_missing(span.next, span.stop)
+            first = _first_missing(self.landed, span.next, span.stop)
             if first >= span.stop or not held >> first & 1:
                 continue
             score = self._streams[span.stream].takeover_score(span, span.stop - first, mine, now, source_time)
@@ -555,24 +572,19 @@ class SpanBook:
 
     def _open(self, xfer: int, stream: int, first: int, stop: int, now: float) -> Span:
         span = Span(xfer, stream, first, stop, first, now)
-        self.spans[xfer] = span
+        self.registry.add(span)
         self._streams[stream].spans.append(span)
         self._free &= ~run(first, stop)
         return span
 
     def _close(self, span: Span) -> None:
         """Forget an outstanding span; what it did not deliver is free again unless another span asks for it."""
-        del self.spans[span.xfer]
+        self.registry.pop(span.xfer)
         self._streams[span.stream].spans.remove(span)
         if span.finished:
             return
         rest = run(span.next, span.stop) & self._wanted
-        for other in self.spans.values():
+        for other in self.registry.of(Span):
             if other.next < span.stop and span.next < other.stop:
                 rest &= ~run(other.next, other.stop)
         self._free |= rest
-
-    def _first_missing(self, first: int, stop: int) -> int:
-        while first < stop and self.landed[first] != MISSING:
-            first += 1
-        return first

@@ -9,12 +9,16 @@ only once the two match. :class:`DigestBook` holds what that takes: the
 digests the source published, the digest requests still out (and on which
 connection), and the messages that arrived before their digest did.
 
-Pure (explicit ``now``, no zmq); :mod:`.striped` carries it out.
+Pure (explicit ``now``, no zmq); the receive's planner (:mod:`.planner`)
+decides what to ask and when, and its requests live in the receive's one
+:class:`~.registry.Registry`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .registry import Registry
 
 
 @dataclass(frozen=True)
@@ -41,15 +45,21 @@ class Verdict:
 class DigestBook:
     """The source's digests of one receive's messages, and the relayed messages waiting for theirs.
 
-    ``size`` is the chosen algorithm's digest size.
+    ``size`` is the chosen algorithm's digest size; its requests are kept in
+    ``registry`` (the receive's; a fresh one by default).
     """
 
-    def __init__(self, messages: int, size: int) -> None:
+    def __init__(self, messages: int, size: int, registry: Registry | None = None) -> None:
         self.size = size
         self.expected: list[bytes | None] = [None] * messages
         self._asked = bytearray(messages)  # 1: known, or asked on a request still out
-        self.requests: dict[int, DigestRequest] = {}  # out, by transfer id
+        self.registry = registry if registry is not None else Registry()
         self.pending: dict[int, tuple[bytes, int]] = {}  # seq -> (its payload's digest, the stream it came on)
+
+    @property
+    def requests(self) -> dict[int, DigestRequest]:
+        """The requests still out, by transfer id (a copy)."""
+        return {request.xfer: request for request in self.registry.of(DigestRequest)}
 
     # ------------------------------------------------------------------ asking
 
@@ -89,7 +99,7 @@ class DigestBook:
         return first, (min(first + run, len(self._asked)) if stop < 0 else stop)
 
     def asking(self, xfer: int, stream: int, first: int, stop: int, now: float, ahead: bool = False) -> None:
-        self.requests[xfer] = DigestRequest(xfer, stream, first, stop, now, ahead)
+        self.registry.add(DigestRequest(xfer, stream, first, stop, now, ahead))
         self._asked[first:stop] = b"\x01" * (stop - first)
 
     # ------------------------------------------------------------------ answers
@@ -100,7 +110,7 @@ class DigestBook:
         None: no such request (cancelled, or its stream was dropped: ignore it).
         Raises ``ValueError`` when the answer does not cover exactly the request.
         """
-        request = self.requests.get(xfer)
+        request = self.registry.get(xfer, DigestRequest)
         if request is None:
             return None
         count = request.stop - request.first
@@ -108,7 +118,7 @@ class DigestBook:
             raise ValueError(
                 f"digests of messages {first}.. ({len(blob)} bytes) where {request.first}..{request.stop} were asked"
             )
-        del self.requests[xfer]
+        self.registry.pop(xfer)
         verdicts: list[Verdict] = []
         for index in range(count):
             seq = first + index
@@ -138,15 +148,16 @@ class DigestBook:
 
     def lost(self, stream: int) -> list[DigestRequest]:
         """``stream`` (a connection to the source) is gone: its requests are asked again elsewhere. Returns them."""
-        gone = [request for request in self.requests.values() if request.stream == stream]
+        gone = [request for request in self.registry.of(DigestRequest) if request.stream == stream]
         for request in gone:
             self.withdraw(request.xfer)
         return gone
 
     def withdraw(self, xfer: int) -> DigestRequest | None:
         """Request ``xfer`` will not be answered (refused, or its stream is gone): its messages may be asked again."""
-        request = self.requests.pop(xfer, None)
+        request = self.registry.get(xfer, DigestRequest)
         if request is not None:
+            self.registry.pop(xfer)
             for seq in range(request.first, request.stop):
                 if self.expected[seq] is None:
                     self._asked[seq] = 0

@@ -1,0 +1,437 @@
+"""A striped receive's planner, driven directly: a fake clock, in-memory streams, no sockets.
+
+``Net`` plays the socket owner (zmqtransport/fetch/owner.py): it carries out
+the planner's actions on :class:`~zmqtransport.fetch.streams.MemoryStream`
+streams, and plays the senders: the source holds every message, a peer what
+the test says, and either answers the span fetches it was sent when told.
+Every data message is one byte, its sequence number (a forged one is not).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from zmqtransport import digests, wire
+from zmqtransport.errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
+from zmqtransport.fetch.liveness import CONNECT_BOUND, RECONNECT_GRACE
+from zmqtransport.fetch.planner import (
+    CLAIM_MESSAGES,
+    KEEPALIVE_EVERY,
+    SOURCE_PATIENCE,
+    Action,
+    Cancel,
+    Close,
+    Connect,
+    Discard,
+    Fail,
+    Fetching,
+    Land,
+    Receive,
+    ReceivePlanner,
+    Send,
+    Swarm,
+)
+from zmqtransport.fetch.registry import CANCELLED, Question
+from zmqtransport.fetch.requests import SpanTerms
+from zmqtransport.fetch.spans import QUIET_FIRST, SOURCE, Span
+from zmqtransport.fetch.streams import MemoryStream
+from zmqtransport.fetch.verify import DigestRequest
+
+SHA = digests.algorithm(digests.SHA256)
+STEP, STAGE = 3, 11
+PEER_TOKEN, OWN = b"p" * 16, b"o" * 16
+DEADLINE = 1000.0
+
+
+def payload(seq: int) -> bytes:
+    return bytes([seq % 256])
+
+
+@dataclass
+class Net:
+    """The owner and the senders, in memory."""
+
+    plan: ReceivePlanner
+    now: float = 0.0
+    streams: list[MemoryStream] = field(default_factory=list)
+    landed: list[int] = field(default_factory=list)
+    closed: set[int] = field(default_factory=set)
+    connects: list[int] = field(default_factory=list)
+    fetching: list[int] = field(default_factory=list)
+    forged: set[int] = field(default_factory=set)  # what peers send wrong
+
+    def add(self, peer: int = SOURCE, token: bytes | None = None, questions: bool = False, up: bool = True) -> int:
+        stream = MemoryStream(f"mem://{len(self.streams)}")
+        self.streams.append(stream)
+        index = self.plan.add_stream(peer, token, questions, stream.endpoint, self.now)
+        if up:
+            self.plan.connection(index, True, None)
+        return index
+
+    def carry_out(self, actions: list[Action]) -> None:
+        for action in actions:
+            match action:
+                case Send(stream=index):
+                    if index in self.closed or not self.streams[index].send(action.request):
+                        self.carry_out(self.plan.undelivered(action))
+                case Cancel(stream=index, xfer=xfer):
+                    self.streams[index].cancel(wire.cancel_request(xfer))
+                case Receive(stream=index, reply=reply, relayed=relayed):
+                    data = self.streams[index].receive(None, "data", 1)
+                    digest = digests.digest_of(SHA, data) if relayed else None
+                    self.carry_out(self.plan.received(index, reply.seq, reply.crc, digest))
+                case Land(seq=seq):
+                    self.landed.append(seq)
+                case Discard(stream=index):
+                    self.streams[index].discard()
+                case Close(stream=index):
+                    self.closed.add(index)
+                    self.streams[index].close()
+                case Connect(peer=new):
+                    self.connects.append(new.peer)
+                case Fetching(asked=asked):
+                    self.fetching.append(asked)
+                case Fail(error=error):
+                    raise error
+
+    def tick(self, at: float | None = None) -> None:
+        self.now = self.now if at is None else at
+        self.carry_out(self.plan.tick(self.now))
+
+    def requests(self, index: int, op: str = wire.OP_FETCH) -> list[wire.Request]:
+        return [r for r in map(wire.decode_request, self.streams[index].sent) if r.op == op]
+
+    def spans(self, index: int) -> list[Span]:
+        """The span fetches still out on stream ``index``, oldest first."""
+        return [span for span in self.plan.registry.of(Span) if span.stream == index]
+
+    def serve(self, index: int, span: Span, count: int | None = None, end: bool = True) -> None:
+        """Stream ``index``'s sender sends ``count`` more messages of ``span`` (all), then its end."""
+        stop = span.stop if count is None else min(span.stop, span.next + count)
+        for seq in range(span.next, stop):
+            data = payload(seq + 1) if seq in self.forged else payload(seq)
+            self.streams[index].put(wire.data_envelope(span.xfer, seq, None), data)
+        if end and stop == span.stop:
+            self.streams[index].put(wire.end_reply(span.xfer))
+        self.drain(index)
+
+    def drain(self, index: int) -> None:
+        stream, who = self.streams[index], self.plan.describe(index)
+        while index not in self.closed and (reply := stream.reply(who)) is not None:
+            try:
+                self.carry_out(self.plan.on_reply(index, reply, who, self.now))
+            except ProtocolError as exc:
+                self.carry_out(self.plan.malformed(index, exc))
+
+    def answer(self, index: int, frame: bytes) -> None:
+        self.streams[index].put(frame)
+        self.drain(index)
+
+
+def planner(messages: int = 16, span: int = 4, swarm: Swarm | None = None, stall: float | None = None) -> Net:
+    terms = SpanTerms(STEP, STAGE, False, DEADLINE, stall, SHA)
+    return Net(ReceivePlanner(list(range(messages + 1)), terms, span, "the source", swarm, xfers=_ids()))
+
+
+def _ids() -> Callable[[], int]:
+    """Transfer ids in order: a test's runs are the same every time."""
+    counter = iter(range(1, 1 << 30))
+    return lambda: next(counter)
+
+
+def have(net: Net, index: int, holds: int) -> None:
+    """The peer on ``index`` answers its question: it holds the messages set in ``holds``."""
+    for question in [q for q in net.plan.registry.of(Question) if q.peer == net.plan.lanes[index].peer]:
+        net.answer(index, wire.have_reply(question.xfer, holds, net.plan.messages))
+
+
+def digests_of(net: Net) -> None:
+    """The source answers every digest request out."""
+    for request in list(net.plan.registry.of(DigestRequest)):
+        blob = b"".join(digests.digest_of(SHA, payload(seq)) for seq in range(request.first, request.stop))
+        net.answer(request.stream, wire.digests_reply(request.xfer, request.first, blob))
+
+
+# ----------------------------------------------------------------------------- the spans
+
+
+def test_every_message_lands_once_over_two_streams_to_the_source() -> None:
+    net = planner(messages=16, span=4)
+    net.add(), net.add()
+    net.tick()
+    assert [(s.first, s.stop) for s in net.spans(0)] == [(0, 4), (4, 8)]  # DEPTH spans each, in turn
+    assert [(s.first, s.stop) for s in net.spans(1)] == [(8, 12), (12, 16)]
+    assert [r.span for r in net.requests(0)] == [(0, 4), (4, 8)]
+    for index in (0, 1):
+        for span in net.spans(index):
+            net.serve(index, span)
+    assert sorted(net.landed) == list(range(16)) and net.plan.complete
+    assert net.plan.lanes[0].messages == net.plan.lanes[1].messages == 8
+
+
+def test_a_quiet_stream_is_taken_over_after_the_first_quiet_bound() -> None:
+    net = planner(messages=8, span=4)
+    net.add(), net.add()
+    net.tick()
+    assert [(s.first, s.stop) for s in net.spans(0)] == [(0, 4), (4, 8)] and net.spans(1) == []
+    net.tick(QUIET_FIRST / 2)
+    assert net.spans(1) == []  # stream 0 is not quiet long enough
+    net.tick(QUIET_FIRST)
+    taken = net.spans(1)
+    assert [(s.first, s.stop) for s in taken] == [(0, 4), (4, 8)]  # the rest of stream 0's spans, on stream 1
+    for span in taken:
+        net.serve(1, span)
+    assert sorted(net.landed) == list(range(8)) and net.plan.complete
+
+
+def test_the_source_is_asked_for_what_no_peer_holds_and_the_peer_for_what_it_holds() -> None:
+    net = planner(messages=32, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
+    net.carry_out(net.plan.start())
+    assert net.connects == [1]
+    source, peer = net.add(), net.add(1, PEER_TOKEN)
+    net.tick()
+    assert len(net.requests(peer, wire.OP_HAVE)) == 1  # asked what it holds
+    have(net, peer, (1 << 16) - 1)  # messages 0..15
+    for span in net.spans(source):
+        net.serve(source, span)
+    net.tick(0.01)
+    assert all(s.first >= 16 for s in net.spans(source))  # rarest first: nobody else holds these
+    # PEER_DEPTH: one span from a peer, of what it holds (the source has sent 0 and 1 meanwhile)
+    assert [(s.first, s.stop) for s in net.spans(peer)] == [(2, 6)]
+
+
+def test_a_slow_peer_is_never_the_only_path_for_what_it_holds() -> None:
+    net = planner(messages=8, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
+    net.carry_out(net.plan.start())
+    source, peer = net.add(), net.add(1, PEER_TOKEN)
+    net.tick()
+    first = net.spans(source)
+    assert [(s.first, s.stop) for s in first] == [(0, 1), (1, 2)]  # spans of one message in a swarm
+    net.now = 0.01
+    net.serve(source, first[0])
+    net.now = 0.02
+    net.serve(source, first[1])  # the source: a message every 10 ms
+    have(net, peer, 0xFF)
+    net.tick()
+    held = net.spans(peer)
+    assert [(s.first, s.stop) for s in held] == [(2, 6)]
+    assert net.spans(source) == []  # what a peer as fast holds is not asked of the source
+    digests_of(net)
+    net.now = 0.12
+    net.serve(peer, held[0], count=1)
+    net.now = 0.22
+    net.serve(peer, held[0], count=1)  # the peer: a message every 100 ms
+    net.tick()
+    assert [(s.first, s.stop) for s in net.spans(source)] == [(6, 7), (7, 8)]  # what only it holds, from the source
+    for span in net.spans(source):
+        net.serve(source, span)
+    net.tick(0.23)
+    taken = net.spans(source)
+    assert taken and taken[0].first == 4  # and the rest of its span: taken over by the faster source
+    assert held[0].taken_over
+
+
+# ----------------------------------------------------------------------------- drops and failures
+
+
+def with_a_peer() -> Net:
+    """A swarm member with a stream to the source (0) and one to a peer holding every message (1), which
+    has been asked for a span of it."""
+    net = planner(messages=8, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
+    net.carry_out(net.plan.start())
+    net.add()
+    net.add(1, PEER_TOKEN)
+    net.tick()
+    have(net, 1, 0xFF)
+    net.tick(0.001)
+    return net
+
+
+def test_a_peer_whose_message_does_not_match_the_digest_is_dropped_and_it_is_asked_again() -> None:
+    net = with_a_peer()
+    source, peer = 0, 1
+    held = net.spans(peer)
+    assert held
+    net.forged.add(held[0].first)
+    net.serve(peer, held[0])  # held: not landed until checked
+    assert held[0].first not in net.landed
+    digests_of(net)
+    assert peer in net.closed and net.plan.peers is not None and net.plan.peers.dropped(1)
+    assert held[0].first not in net.landed and held[0].first + 1 in net.landed  # the good ones count
+    for span in net.spans(source):
+        net.serve(source, span)
+    net.tick(0.002)
+    assert any(s.first <= held[0].first < s.stop for s in net.spans(source))  # asked of the source again
+
+
+def test_a_peer_silent_while_it_owes_what_it_holds_is_dropped() -> None:
+    net = with_a_peer()
+    peer = 1
+    assert net.spans(peer)
+    net.tick(0.001 + QUIET_FIRST / 2)
+    assert peer not in net.closed
+    net.tick(0.001 + QUIET_FIRST)
+    assert peer in net.closed and net.spans(peer) == []
+
+
+def test_a_peer_refusing_is_dropped_and_the_source_refusing_fails_the_receive() -> None:
+    net = with_a_peer()
+    source, peer = 0, 1
+    net.answer(peer, wire.error_reply(net.spans(peer)[0].xfer, wire.ERR_STALLED, "no"))
+    assert peer in net.closed
+    with pytest.raises(RemoteError, match="the source at mem://0: busy elsewhere"):
+        net.answer(source, wire.error_reply(net.spans(source)[0].xfer, "stalled", "busy elsewhere"))
+
+
+def test_the_receive_fails_when_no_connection_to_the_source_is_left() -> None:
+    net = planner()
+    net.add(), net.add()
+    net.tick()
+    net.plan.connection(0, True, 0.1)  # both connections go down
+    net.plan.connection(1, True, 0.1)
+    net.tick(0.1 + RECONNECT_GRACE / 2)
+    assert net.closed == set() and all(lane.interrupted for lane in net.plan.lanes)
+    assert net.spans(0) == net.spans(1) == []  # their spans cancelled, to be asked again once they are back
+    with pytest.raises(ConnectionLostError, match="every connection to the source failed"):
+        net.tick(0.1 + RECONNECT_GRACE)
+    assert net.closed == {0, 1}
+
+
+def test_a_path_that_never_connects_is_dropped_and_a_stalled_source_fails_the_receive_as_stalled() -> None:
+    net = planner(stall=2.0)
+    net.add()
+    net.add(up=False)
+    net.tick()
+    net.tick(CONNECT_BOUND)
+    assert net.closed == {1} and net.plan.lanes[1].gone == "did not connect"
+    with pytest.raises(ConnectionLostError, match="did not connect"):
+        net.tick(2.0)  # one stalled, one never there: lost
+    net = planner(stall=2.0)
+    net.add()
+    net.tick()
+    net.tick(1.0)
+    assert net.closed == set()
+    with pytest.raises(StalledError, match=r"sent nothing for 2 s \(stall_timeout\)"):
+        net.tick(2.0)
+
+
+def test_a_stream_that_takes_no_requests_is_dropped() -> None:
+    net = planner()
+    net.add(), net.add()
+    net.streams[0].room = 0
+    net.tick()
+    assert net.closed == {0} and net.plan.lanes[0].gone == "its connection takes no requests"
+    assert net.spans(0) == [] and len(net.spans(1)) == 2
+
+
+# ----------------------------------------------------------------------------- questions and the registry
+
+
+def test_a_claim_the_source_leaves_unanswered_is_forgotten_and_claiming_stops() -> None:
+    net = planner(swarm=Swarm(OWN))
+    net.carry_out(net.plan.start())
+    questions = net.add(questions=True)
+    net.add()
+    net.tick()
+    asked = net.requests(questions, wire.OP_HAVE)
+    assert [r.claim for r in asked] == [CLAIM_MESSAGES]  # nothing reserved yet: a claim, at once
+    assert net.plan.book.reserved.open and net.spans(1) == []  # and nothing asked but what it reserved
+    net.tick(SOURCE_PATIENCE + 0.001)
+    assert not net.plan.book.reserved.open and net.spans(1)  # as a swarm without claims
+    late = asked[0].xfer
+    assert net.plan.registry.settled_as(late) == "forgotten"
+    net.answer(questions, wire.have_reply(late, None, 0, claimed=(0, 4)))  # a late answer: dropped
+    assert net.plan.book.reserved.bits == 0
+
+
+def test_a_receive_that_asks_the_source_nothing_sends_a_sign_of_life() -> None:
+    net = planner(messages=4)
+    net.add()
+    net.tick()
+    for span in net.spans(0):
+        net.serve(0, span, count=1, end=False)
+    net.tick(KEEPALIVE_EVERY / 2)
+    assert net.requests(0, wire.OP_HAVE) == []
+    net.tick(KEEPALIVE_EVERY)
+    [sign] = net.requests(0, wire.OP_HAVE)
+    net.answer(0, wire.have_reply(sign.xfer, None, 0))  # its answer means nothing
+    net.answer(0, wire.error_reply(sign.xfer, wire.ERR_STALLED, "an earlier release"))  # nor a refusal
+
+
+def test_replies_to_cancelled_spans_are_dropped_with_one_look_up() -> None:
+    net = planner(messages=8, span=4)
+    net.add(), net.add()
+    net.tick()
+    out = net.spans(0)
+    net.tick(QUIET_FIRST)  # stream 0 never sent: its spans are taken over by stream 1
+    for span in net.spans(1):
+        net.serve(1, span)
+    assert net.plan.complete and net.spans(0) == []
+    # Stream 0's spans landed by the other: cancelled, and told so.
+    assert all(net.plan.registry.settled_as(span.xfer) == CANCELLED for span in out)
+    assert sorted(r.xfer for r in net.requests(0, wire.OP_CANCEL)) == sorted(span.xfer for span in out)
+    for span in out:
+        net.serve(0, span)  # what still comes for them: dropped (and their ends), never landed twice
+    assert sorted(net.landed) == list(range(8)) and net.plan.duplicates == 0
+    assert net.plan.close() == []  # nothing left to cancel
+
+
+def test_a_drop_is_named_once_per_peer(caplog: pytest.LogCaptureFixture) -> None:
+    net = planner(messages=8, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
+    net.carry_out(net.plan.start())
+    net.add()
+    peer = net.add(1, PEER_TOKEN)
+    net.add(1, PEER_TOKEN, questions=True)
+    net.tick()
+    with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
+        net.answer(peer, wire.error_reply(net.requests(peer + 1, wire.OP_HAVE)[0].xfer, wire.ERR_STALLED, "no"))
+    assert net.closed == {peer, peer + 1}
+    assert [r.getMessage() for r in caplog.records if "dropping the peer" in r.getMessage()] == [
+        f"dropping the peer at mem://{peer} for this receive of step {STEP}: error reply [stalled] no; "
+        "its spans go to the others"
+    ]
+
+
+def test_a_member_the_source_names_is_connected_and_a_connection_that_comes_back_gets_work_again() -> None:
+    net = planner(swarm=Swarm(OWN))
+    net.carry_out(net.plan.start())
+    assert net.connects == []  # the relay order named nobody
+    source = net.add()
+    net.tick()
+    [question] = [q for q in net.plan.registry.of(Question) if q.peer == SOURCE]
+    net.answer(source, wire.have_reply(question.xfer, None, 16, peers=[("tcp://new:1", PEER_TOKEN)], claimed=(0, 4)))
+    assert net.connects == [1]  # a later member: connected, to be asked what it holds
+    assert net.plan.book.reserved.bits == 0b1111  # and the messages the source reserved for this member
+    net.tick(0.01)
+    assert [(s.first, s.stop) for s in net.spans(source)] == [(0, 4)]  # only what it reserved
+    net.plan.connection(source, True, 0.02)  # down: its spans go back, the DEALER reconnects by itself
+    net.tick(0.2)
+    assert net.spans(source) == [] and net.plan.lanes[source].interrupted
+    net.plan.connection(source, True, None)  # back within the grace
+    net.tick(0.3)
+    assert not net.plan.lanes[source].interrupted and [(s.first, s.stop) for s in net.spans(source)] == [(0, 4)]
+
+
+def test_a_source_that_refuses_the_digests_leaves_no_peer_and_what_they_sent_is_asked_again() -> None:
+    net = with_a_peer()
+    source, peer = 0, 1
+    held = net.spans(peer)[0]
+    net.serve(peer, held)
+    assert held.first not in net.landed  # held until its digest comes
+    # Read-ahead refused first (the source may hash device memory only as it sends it): only reading ahead stops.
+    for ahead in list(net.plan.registry.of(DigestRequest)):
+        net.answer(ahead.stream, wire.error_reply(ahead.xfer, wire.ERR_BAD_REQUEST, "not ahead"))
+    assert peer not in net.closed and net.plan.digests is not None
+    net.tick(0.0015)  # the held messages' digests asked for again, as spans reach them
+    request = next(r for r in net.plan.registry.of(DigestRequest) if r.first <= held.first < r.stop)
+    assert not request.ahead
+    net.answer(request.stream, wire.error_reply(request.xfer, wire.ERR_BAD_REQUEST, "no digests here"))
+    assert peer in net.closed and net.plan.digests is None  # nothing a peer sends can be checked
+    for span in net.spans(source):
+        net.serve(source, span)
+    net.tick(0.002)
+    assert any(s.first <= held.first < s.stop for s in net.spans(source))  # from the source now
