@@ -110,6 +110,11 @@ from torchft.process_group import ProcessGroupGloo
 from zmqtransport import ZMQTransport
 
 index, groups, lighthouse, address, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+# On a cluster a host's name resolves to its own address; the lab's hosts are network
+# namespaces of one machine and share its name, which resolves to loopback. torchft-nightly
+# names its process group's rendezvous store by socket.gethostname(): say what a cluster would.
+import socket
+socket.gethostname = lambda: address
 timeout = timedelta(seconds=float(sys.argv[6]))
 final_step, width, layers = int(sys.argv[7]), int(sys.argv[8]), int(sys.argv[9])
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
