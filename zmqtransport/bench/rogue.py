@@ -14,8 +14,8 @@ chain (it starts first) and, in its own process only, relays as ``mode`` says:
   it; it serves what it lands honestly;
 * ``liar`` (issue 34): claims every message from the source as ``hoard``
   does, answers every question about what it holds with "nothing, but I am
-  fetching everything", serves nothing, and fetches nothing itself (so it
-  lies until its own timeout);
+  fetching everything", serves nothing, and fetches nothing itself for
+  :data:`LIE_SECONDS` (so it lies far longer than its own receive would take);
 * ``freeze`` (tests only, not a benchmark row: its process stays stopped): an
   honest relay that stops itself (SIGSTOP) once half of its own data has
   landed, with reservations and claims outstanding.
@@ -36,6 +36,9 @@ from typing import Any
 
 from .. import relayed, wire
 from ..serve import actions, relayed_steps, scheduler
+
+# Seconds the liar fetches nothing itself (lying all along), then finishes its own receive.
+LIE_SECONDS = 12.0
 
 MODES = ("flip", "error", "silent", "shutdown", "hoard", "liar", "freeze")
 
@@ -77,10 +80,17 @@ def become_rogue(mode: str) -> None:
         relayed.Relayed.available = lambda self, seq: False  # type: ignore[method-assign]
         honest_assign = spans.SpanBook.assign
 
+        began: list[float] = []
+
         def assign(self: spans.SpanBook, stream: int, xfer: int, now: float) -> spans.Span | None:
-            # A few messages (the source serves it and names it to the others), then nothing: it lies
-            # until its own timeout, not only until its receive is done.
-            return honest_assign(self, stream, xfer, now) if self.messages - self.missing < 8 else None
+            # A few messages (the source serves it and names it to the others), then nothing for
+            # LIE_SECONDS: it lies far longer than an honest receive takes, not only until its own is
+            # done, and still ends (a benchmark trial waits for it).
+            if not began:
+                began.append(now)
+            if self.messages - self.missing < 8 or now - began[0] >= LIE_SECONDS:
+                return honest_assign(self, stream, xfer, now)
+            return None
 
         spans.SpanBook.assign = assign  # type: ignore[method-assign]
         honest_have = relayed_steps.RelayedSteps.have
