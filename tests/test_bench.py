@@ -381,6 +381,7 @@ def test_rogue_presets_are_chosen_together() -> None:
         ("lab-rogue-silent", "silent"),
         ("lab-rogue-shutdown", "shutdown"),
         ("lab-rogue-hoard", "hoard"),
+        ("lab-rogue-liar", "liar"),
     ]
 
 

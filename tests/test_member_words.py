@@ -12,6 +12,7 @@ the tests of the swarm do (``RELAY_LOOPBACK``).
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 from typing import Any
@@ -23,6 +24,7 @@ import zmq
 
 from zmqtransport import ZMQTransport, digests, relayed, security, wire
 from zmqtransport.net import parse_metadata
+from zmqtransport.serve import swarm
 
 from .conftest import Processes, assert_same
 
@@ -68,6 +70,39 @@ def test_an_offer_the_next_receivers_cannot_use_fails_nobody(
         assert joined.wait(30), "the modified member never got its header"
         assert source._server._scheduler.swarm.members == [], "an offer nobody can use was believed"
         assert_same(honest.recv_checkpoint(0, source.metadata(), 1, TIMEOUT), want)
+    finally:
+        if member is not None:
+            member.kill()
+            member.join(10)
+        honest.shutdown()
+        source.shutdown()
+
+
+def test_an_offer_the_source_believed_and_this_receiver_cannot_use_drops_that_peer_only(
+    processes: Processes, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The receiving side checks a peer's offer where it enters too (issue 34): a source that believes any
+    offer (an earlier release; here the same member's offer of CurveZMQ, believed) named it to the honest
+    receiver, whose ``recv_checkpoint`` raised ``ValueError`` at once. Now that peer is dropped, with one
+    WARNING naming it, and the receive lands the source's bytes."""
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)
+    monkeypatch.setattr(swarm, "usable_params", lambda params, curve: True)  # a source that believes any offer
+    want = {"w": torch.arange(1 << 20, dtype=torch.float32), "step": 1}
+    source: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
+    honest: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
+    joined = processes.Event()
+    member = None
+    try:
+        source.send_checkpoint([1, 2], 1, want, TIMEOUT)
+        member = processes.Process(target=_offer_what_nobody_can_use, args=(source.metadata(), joined, 20.0))
+        member.start()
+        assert joined.wait(30), "the modified member never got its header"
+        [member_of] = source._server._scheduler.swarm.members  # believed, as an earlier source would
+        assert "curve=" in member_of.at
+        with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
+            assert_same(honest.recv_checkpoint(0, source.metadata(), 1, TIMEOUT), want)
+        named = [r.getMessage() for r in caplog.records if "cannot fetch from a peer" in r.getMessage()]
+        assert len(named) == 1 and "curve" in named[0].lower(), named
     finally:
         if member is not None:
             member.kill()

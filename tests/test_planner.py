@@ -17,6 +17,7 @@ import pytest
 
 from zmqtransport import digests, wire
 from zmqtransport.errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
+from zmqtransport.fetch.claims import CLAIM_FLOOR
 from zmqtransport.fetch.liveness import CONNECT_BOUND, RECONNECT_GRACE
 from zmqtransport.fetch.planner import (
     CLAIM_MESSAGES,
@@ -63,6 +64,7 @@ class Net:
     connects: list[int] = field(default_factory=list)
     fetching: list[int] = field(default_factory=list)
     forged: set[int] = field(default_factory=set)  # what peers send wrong
+    failed: list[Exception] = field(default_factory=list)  # every Fail the planner decided
 
     def add(self, peer: int = SOURCE, token: bytes | None = None, questions: bool = False, up: bool = True) -> int:
         stream = MemoryStream(f"mem://{len(self.streams)}")
@@ -96,6 +98,7 @@ class Net:
                 case Fetching(asked=asked):
                     self.fetching.append(asked)
                 case Fail(error=error):
+                    self.failed.append(error)
                     raise error
 
     def tick(self, at: float | None = None) -> None:
@@ -121,8 +124,11 @@ class Net:
 
     def drain(self, index: int) -> None:
         stream, who = self.streams[index], self.plan.describe(index)
-        while index not in self.closed and (reply := stream.reply(who)) is not None:
-            try:
+        while index not in self.closed:
+            try:  # as the owner does: what cannot be decoded is malformed too
+                reply = stream.reply(who)
+                if reply is None:
+                    return
                 self.carry_out(self.plan.on_reply(index, reply, who, self.now))
             except ProtocolError as exc:
                 self.carry_out(self.plan.malformed(index, exc))
@@ -435,3 +441,123 @@ def test_a_source_that_refuses_the_digests_leaves_no_peer_and_what_they_sent_is_
         net.serve(source, span)
     net.tick(0.002)
     assert any(s.first <= held.first < s.stop for s in net.spans(source))  # from the source now
+
+
+# ----------------------------------------------------------------------------- what a peer says (issue 34)
+
+
+def finish_from_source(net: Net, until: float = 5.0) -> None:
+    """Time passes in steps of 10 ms; the source serves every span and digest asked of it."""
+    while not net.plan.complete and net.now < until:
+        net.tick(net.now + 0.01)
+        digests_of(net)
+        for span in net.spans(0):
+            net.serve(0, span)
+    assert net.plan.complete and sorted(net.landed) == list(range(net.plan.messages))
+
+
+def claim(net: Net, index: int, holds: int, coming: int) -> None:
+    """The peer on ``index`` answers its questions: it holds ``holds`` and is fetching ``coming``."""
+    for question in [q for q in net.plan.registry.of(Question) if q.peer == net.plan.lanes[index].peer]:
+        net.answer(index, wire.have_reply(question.xfer, holds, net.plan.messages, coming=coming))
+
+
+def a_member_that_claims(coming: int, holds: int = 0) -> Net:
+    """A swarm member (no claims of its own) with a stream to the source (0), which has served messages 0
+    and 1, and one to a peer (1) that says it holds ``holds`` and is fetching ``coming``."""
+    net = planner(messages=8, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
+    net.carry_out(net.plan.start())
+    net.add(), net.add(1, PEER_TOKEN)
+    net.tick()
+    for span in net.spans(0):
+        net.serve(0, span)
+    claim(net, 1, holds, coming)
+    net.tick(0.001)
+    return net
+
+
+def test_a_peer_that_claims_to_fetch_everything_and_serves_nothing_loses_its_claims(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 34: its claims counted as "someone as fast is fetching it" without end: the source was asked
+    for nothing until the receive's timeout. Now they lapse after the claim bound and it is dropped."""
+    net = a_member_that_claims(coming=0xFF)
+    source, peer = 0, 1
+    with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
+        while net.now < CLAIM_FLOOR - 0.02:
+            net.tick(net.now + 0.01)
+            claim(net, peer, 0, 0xFF)  # again and again, and never more
+            assert net.spans(source) == []  # a hint, believed for now: the source is asked for nothing
+        net.tick(CLAIM_FLOOR + 0.01)
+        claim(net, peer, 0, 0xFF)
+    assert peer in net.closed and net.plan.peers is not None and net.plan.peers.dropped(peer)
+    assert net.spans(source)  # what it claimed goes to the source
+    named = [r.getMessage() for r in caplog.records if "dropping the peer" in r.getMessage()]
+    assert len(named) == 1 and "mem://1" in named[0] and "claims to be fetching" in named[0]
+    finish_from_source(net)
+
+
+def test_a_peer_frozen_with_claims_outstanding_loses_them() -> None:
+    """An honest member frozen (SIGSTOP): it answered once, holding 0 and 1 and fetching the rest, and
+    then nothing; its question stays unanswered. Its claims lapse as a liar's do."""
+    net = a_member_that_claims(coming=0xFC, holds=0b11)
+    source, peer = 0, 1
+    net.tick(CLAIM_FLOOR / 2)
+    assert net.spans(source) == [] and peer not in net.closed
+    net.tick(CLAIM_FLOOR + 0.01)
+    assert peer in net.closed
+    finish_from_source(net)
+
+
+def test_a_peer_whose_holdings_grow_keeps_its_claims() -> None:
+    """An honest member fetching slowly: what it holds grows every 100 ms, so its claims stand."""
+    net = a_member_that_claims(coming=0xFC, holds=0b11)
+    peer = 1
+    for step in range(1, 5):
+        net.tick(0.1 * step)
+        claim(net, peer, (1 << (step + 2)) - 1, 0xFF & ~((1 << (step + 2)) - 1))  # one more message each time
+        assert peer not in net.closed
+        assert all(span.stream == peer for span in net.plan.registry.of(Span))  # nothing asked of the source
+    assert peer not in net.closed
+
+
+def _a_question_to(net: Net, index: int) -> int:
+    """The transfer id of a question out to stream ``index``'s peer (time passes until there is one)."""
+    for _ in range(100):
+        found = [q.xfer for q in net.plan.registry.of(Question) if q.peer == net.plan.lanes[index].peer]
+        if found:
+            return found[0]
+        net.tick(net.now + 0.01)
+    raise AssertionError("no question went out")
+
+
+PEER_FAULTS: dict[str, Callable[[Net, Span], list[bytes]]] = {
+    "data out of range": lambda net, span: [wire.data_envelope(span.xfer, 99, None), b"x"],
+    "data out of order": lambda net, span: [wire.data_envelope(span.xfer, span.next + 1, None), b"x"],
+    "end before its data": lambda net, span: [wire.end_reply(span.xfer)],
+    "digests from a peer": lambda net, span: [wire.digests_reply(span.xfer, span.first, b"\0" * 32)],
+    "have to no question": lambda net, span: [wire.have_reply(424242, 0xFF, 8)],
+    "have beyond the plan": lambda net, span: [wire.have_reply(_a_question_to(net, 1), (1 << 20) - 1, 20)],
+    "have oversized": lambda net, span: [wire.have_reply(_a_question_to(net, 1), (1 << (8 << 20)) - 1, 8 << 20)],
+    "have speaking for the source": lambda net, span: [
+        wire.have_reply(_a_question_to(net, 1), 0xFF, 8, peers=[("tcp://elsewhere:1", b"t" * 16)])
+    ],
+    "have with a reservation": lambda net, span: [wire.have_reply(_a_question_to(net, 1), 0xFF, 8, claimed=(0, 8))],
+    "an error with no id": lambda net, span: [wire.pack({"v": wire.PROTOCOL_VERSION, "op": wire.OP_ERROR})],
+    "an op nobody knows": lambda net, span: [wire.pack({"v": wire.PROTOCOL_VERSION, "op": "gimme", "id": 1})],
+}
+
+
+@pytest.mark.parametrize("fault", PEER_FAULTS)
+def test_nothing_a_peer_sends_fails_the_receive(fault: str) -> None:
+    """Issue 34: a peer's malformed, oversized or contradictory reply failed the whole receive (a data
+    message out of range or order, an early end, digests or a have reply to no question raised
+    ProtocolError); now it drops that peer only and the source serves the rest."""
+    net = with_a_peer()
+    peer = 1
+    [span] = net.spans(peer)
+    net.streams[peer].put(*PEER_FAULTS[fault](net, span))
+    net.drain(peer)
+    assert net.failed == []  # the planner decided to drop the peer, never to fail the receive
+    assert peer in net.closed and net.plan.peers is not None and net.plan.peers.dropped(peer)
+    finish_from_source(net)

@@ -6,7 +6,11 @@ the benchmark's rogue is (``zmqtransport.bench.rogue``: it flips the bytes it
 forwards and forges their CRC32, answers every span fetch with an error,
 serves nothing), an honest relay whose transport shuts down mid-transfer, or
 one that makes the source reserve it every message and fetches none of them
-(docs/protocol.md, "Swarm", claims: the others then fetch as without claims).
+(docs/protocol.md, "Swarm", claims: the others then fetch as without claims),
+one that also answers every question about what it holds with "nothing, but
+fetching everything" and serves nothing (``liar``), or an honest relay that
+stops itself (SIGSTOP) halfway with claims outstanding (``freeze``): claims are
+hints with deadlines (zmqtransport/fetch/claims.py).
 Hosts 2 and 3 are honest receivers with default options (tests/test_lab.py's
 source and receivers); one of them is sent to the rogue. Each must complete
 bit-exact, well before its timeout, and the one sent to the rogue names it in
@@ -45,11 +49,12 @@ ROGUE = """
 import sys
 from datetime import timedelta
 from zmqtransport import ZMQTransport
-from zmqtransport.bench.rogue import become_rogue, shutdown_halfway
+from zmqtransport.bench.rogue import become_rogue, freeze_halfway, shutdown_halfway
 mode, timeout = sys.argv[1], float(sys.argv[2])
 become_rogue(mode)
 itself = []
-transport = ZMQTransport(timedelta(seconds=timeout), progress=shutdown_halfway(itself) if mode == "shutdown" else None)
+progress = shutdown_halfway(itself) if mode == "shutdown" else freeze_halfway() if mode == "freeze" else None
+transport = ZMQTransport(timedelta(seconds=timeout), progress=progress)
 itself.append(transport)
 metadata = sys.stdin.readline().strip()
 print("go", transport.metadata(), flush=True)
@@ -85,6 +90,8 @@ def _rogue_run(mode: str) -> tuple[str, list[tuple[int, dict[str, Any] | None, s
             out, err = child.communicate(timeout=TIMEOUT_S + 30)
             lines = [line for line in out.splitlines() if line.startswith("{")]
             results.append((child.returncode, json.loads(lines[-1]) if lines else None, err))
+        if mode == "freeze":
+            rogue.kill()  # it stopped itself: it would never end
         rogue.communicate(timeout=TIMEOUT_S + 30)
         source.stdin.write("\n")
         source.stdin.flush()
@@ -94,7 +101,7 @@ def _rogue_run(mode: str) -> tuple[str, list[tuple[int, dict[str, Any] | None, s
 
 # The rogue's error replies of other codes, its malformed messages, and a
 # device-memory receive behind it are tried on loopback (tests/test_verify.py).
-MODES = ["flip", "error", "silent", "shutdown", "hoard"]
+MODES = ["flip", "error", "silent", "shutdown", "hoard", "liar", "freeze"]
 
 
 @needs_lab
@@ -111,5 +118,5 @@ def test_a_rogue_relay_changes_nothing(mode: str) -> None:
     rogue_endpoint = rogue_at.split("?")[0]
     # No logging configured: Python's last-resort handler writes WARNINGs (and above) to stderr.
     named = [line for _, _, err in results for line in err.splitlines() if f"the peer at {rogue_endpoint}" in line]
-    if mode not in ("shutdown", "hoard"):  # an honest relay that goes away is routine; a rogue is named
+    if mode not in ("shutdown", "hoard", "freeze"):  # an honest relay that goes away is routine; a rogue is named
         assert named, [err for _, _, err in results]

@@ -266,8 +266,9 @@ def _with_relay_rows(presets: dict[str, Scenario]) -> dict[str, Scenario]:
         "lab-2nic-1to3", 64 * mib, 4 * mib, receivers=3, methods=relay_methods, reps=3, lab=LabSpec(nics=2)
     )
     # Issue 21: a rogue relay at the head of the chain, and an honest one that shuts down mid-transfer;
-    # issue 22: one that makes the source reserve it every message and fetches none of them.
-    for mode in ("flip", "error", "silent", "shutdown", "hoard"):
+    # issue 22: one that makes the source reserve it every message and fetches none of them;
+    # issue 34: one that also claims to be fetching everything and serves nothing.
+    for mode in ("flip", "error", "silent", "shutdown", "hoard", "liar"):
         rows[f"lab-rogue-{mode}"] = Scenario(
             f"lab-rogue-{mode}", 64 * mib, 4 * mib, receivers=3, methods=("zmq-fresh",), reps=3, lab=LabSpec(),
             rogue=Rogue(mode), lead_s=0.2,
@@ -339,7 +340,7 @@ PRESETS = {**_with_fast_rows(_with_disallow_rows(_with_relay_rows(_presets()))),
 RELAY_PRESETS = ("lab-1to1", "lab-1to3", "lab-1to7", "lab-kill", "lab-mixed", "lab-2nic-1to3")
 # Issue 21's rows and the clean fan-out they are compared with: ``--scenario rogue``.
 ROGUE_PRESETS = (
-    "lab-1to1", "lab-1to3", *(f"lab-rogue-{mode}" for mode in ("flip", "error", "silent", "shutdown", "hoard"))
+    "lab-1to1", "lab-1to3", *(f"lab-rogue-{mode}" for mode in ("flip", "error", "silent", "shutdown", "hoard", "liar"))
 )
 # Issue 33's unshaped-link rows: ``--scenario fast`` (also part of ``--lab``).
 FAST_PRESETS = tuple(n for n in PRESETS if n.startswith("fast-"))

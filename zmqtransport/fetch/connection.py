@@ -157,13 +157,15 @@ class Connections:
         """One connection per path of the swarm peer serving at ``at`` (its metadata), showing its ``token``:
         its paths this receive has no connection to yet.
 
-        Raises ``ProtocolError`` for malformed metadata (the source named the peer).
+        Raises ``ProtocolError`` for metadata this receive cannot use: malformed, or asking for
+        connection parameters it does not have (CurveZMQ where it has none, a key that is no key).
+        The offer is the peer's, named by the source: it costs that peer only, never the receive.
         """
         try:
             address = parse_metadata(at)
+            peer_options = self.relay_options(address) if self.relay_options is not None else None
         except ValueError as exc:
-            raise ProtocolError(f"the source named a peer with malformed metadata: {exc}") from None
-        peer_options = self.relay_options(address) if self.relay_options is not None else None
+            raise ProtocolError(f"the source named a peer whose metadata this receiver cannot use: {exc}") from None
         configure = dealer_options(self.stall_timeout, peer_options)
         opened = {c.path for c in self.extra if c.peer == peer and not c.questions}
         connections = [self._open(path, configure) for path in address.paths if path not in opened]

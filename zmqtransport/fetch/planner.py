@@ -342,21 +342,25 @@ class Outgoing:
         assert plan.peers is not None
         return {peer for peer in plan.peers.tokens if plan.book.has_work_for(peer)}
 
-    def on_have(self, lane: Lane, reply: wire.Reply, who: str) -> list[Action]:
-        """An answer to a question, on ``lane``: what a peer holds, or the swarm's members and a claim."""
+    def on_have(self, lane: Lane, reply: wire.Reply, who: str, now: float) -> list[Action]:
+        """An answer to a question, on ``lane``: what a peer holds, or the swarm's members and a claim
+        (``ProtocolError``: it answers no question, or a peer's does not fit the plan)."""
         plan, peers = self.plan, self.plan.peers
         if lane.token is None and plan.registry.settled_as(reply.xfer) in (KEEPALIVE, FORGOTTEN):
             return []  # the answer to a sign of life, or a late one to a question given up on
         question = peers.question(reply.xfer) if peers is not None else None
         peer = peers.answered(reply.xfer) if peers is not None else None
         if peer is None or peers is None or question is None or peer != lane.peer:
-            return [Fail(ProtocolError(f"{who}: a have reply to no question"))]
+            raise ProtocolError(f"{who}: a have reply to no question")
         if peer == SOURCE:
             self.source_answered(question, reply.claimed)
             if plan.digests is not None:  # peers only while their bytes can be checked
                 return [Connect(new) for new in peers.learn(reply.peers)]
         elif not peers.dropped(peer):
-            plan.book.holds(peer, reply.have or 0, reply.coming)
+            have = reply.have or 0  # a peer that says "everything" (no bits) is believed to hold nothing
+            if (have | reply.coming) >> plan.messages or reply.peers or reply.claimed is not None:
+                raise ProtocolError(f"{who}: a have reply that does not fit the plan, or speaks for the source")
+            plan.book.holds(peer, have, reply.coming, now)
         return []
 
     def source_answered(self, question: Question, claimed: tuple[int, ...] | None) -> None:
@@ -599,12 +603,23 @@ class ReceivePlanner:
             elif lane.token is not None and silent >= max(QUIET_FIRST, self.book.quiet_after(index)):
                 # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
                 actions += self._drop_peer(lane.peer, f"sent nothing for {silent:.2g} s of what it holds")
+        for peer in self.book.unbacked(now):  # claims are hints with deadlines (fetch/claims.py)
+            actions += self._drop_peer(peer, "it claims to be fetching what this receive wants, and for its "
+                                       "claim bound neither came to hold more nor sent anything")
         return actions
 
     # ------------------------------------------------------------------ replies
 
     def on_reply(self, stream: int, reply: wire.Reply, who: str, now: float) -> list[Action]:
-        """A reply's envelope arrived on ``stream`` (``who``: :meth:`describe`); its frames follow."""
+        """A reply's envelope arrived on ``stream`` (``who``: :meth:`describe`); its frames follow.
+
+        Whatever a peer sends that this receive cannot use drops that peer (:meth:`malformed`)."""
+        try:
+            return self._on_reply(stream, reply, who, now)
+        except ProtocolError as exc:
+            return [Discard(stream), *self.malformed(stream, exc)]
+
+    def _on_reply(self, stream: int, reply: wire.Reply, who: str, now: float) -> list[Action]:
         op = reply.op
         if op == wire.OP_DATA and reply.more:
             return self._on_data(stream, reply, who, now)
@@ -615,18 +630,18 @@ class ReceivePlanner:
             try:
                 done = self.book.on_end(reply.xfer)
             except ValueError as exc:
-                return [Fail(ProtocolError(f"{who}: {exc}"))]
+                raise ProtocolError(f"{who}: {exc}") from None
             return self._idle_peers(done, now) + self._cancel(done)
         if op == wire.OP_HAVE and not reply.more:
-            return self.out.on_have(self.lanes[stream], reply, who)
+            return self.out.on_have(self.lanes[stream], reply, who, now)
         if op == wire.OP_ERROR:
             return [Discard(stream), *self._on_error(stream, reply, who)]
         if op == wire.OP_DIGESTS and not reply.more and self.lanes[stream].token is None and self.digests is not None:
             try:  # the source's digests: verdicts on the relayed messages that waited for them
                 return self._judge(self.out.digests_answered(reply, now))
             except ValueError as exc:
-                return [Fail(ProtocolError(f"{who}: {exc}"))]
-        return [Discard(stream), Fail(ProtocolError(f"unexpected {op!r} message from {who} in a striped receive"))]
+                raise ProtocolError(f"{who}: {exc}") from None
+        raise ProtocolError(f"unexpected {op!r} message from {who} in a striped receive")
 
     def malformed(self, stream: int, error: ProtocolError) -> list[Action]:
         """What came on ``stream`` broke the protocol: the source's fails the receive; a peer is dropped."""
@@ -650,7 +665,7 @@ class ReceivePlanner:
     def _on_data(self, stream: int, reply: wire.Reply, who: str, now: float) -> list[Action]:
         seq = reply.seq
         if seq >= self.messages:
-            return [Discard(stream), Fail(ProtocolError(f"data message number {seq} out of range from {who}"))]
+            raise ProtocolError(f"data message number {seq} out of range from {who}")
         assert reply.xfer is not None  # wire.decode_reply: only an error may lack an id
         relayed = self.lanes[stream].token is not None
         if relayed and self.digests is None:
@@ -658,7 +673,7 @@ class ReceivePlanner:
         try:
             fresh = self.book.on_data(reply.xfer, seq, now, held=relayed)
         except ValueError as exc:
-            return [Discard(stream), Fail(ProtocolError(f"{who}: {exc}"))]
+            raise ProtocolError(f"{who}: {exc}") from None
         if not fresh:
             # A duplicate (the rest of a span taken over) or a cancelled span's: dropped.
             self.duplicates += fresh is False

@@ -50,6 +50,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..bitsets import lowest, lowest_from, run, run_length
+from .claims import Holdings, claim_bound
 from .registry import Registry
 
 # Bytes per span: small enough that a lost path's outstanding work is a few
@@ -174,28 +175,6 @@ class _Stream:
         return 0.0
 
 
-class _Holdings:
-    """What each peer holds and is fetching, as it reported (bit sets within ``everything``); the source holds all."""
-
-    def __init__(self, everything: int) -> None:
-        self.everything = everything
-        self.held: dict[int, int | None] = {SOURCE: None}  # None: everything
-        self.coming: dict[int, int] = {}
-
-    def report(self, peer: int, have: int, coming: int) -> None:
-        if peer != SOURCE:
-            self.held[peer] = have & self.everything
-            self.coming[peer] = coming & self.everything & ~have
-
-    def of(self, peer: int) -> int:
-        held = self.held.get(peer, 0)
-        return self.everything if held is None else held
-
-    def forget(self, peer: int) -> None:
-        self.held[peer] = 0
-        self.coming.pop(peer, None)
-
-
 class Reservations:
     """What the source reserved for this receive and it has not asked for yet (docs/protocol.md, "Swarm":
     claims): a swarm member asks the source only for these while :attr:`open`, that is until the source
@@ -216,6 +195,22 @@ class Reservations:
     def exhausted(self, free: int) -> bool:
         """Whether more should be claimed: reservations are open and none of ``free`` is reserved."""
         return self.open and not self.bits & free
+
+
+def _peer_pace(streams: list[_Stream], peer: int, now: float, source_time: float) -> float | None:
+    """The best measured pace of ``peer``'s live ``streams`` (None: none measured yet; inf: none serving);
+    ``source_time`` as for :meth:`_Stream.quiet_after`.
+
+    A stream whose connection dropped serves nobody while it is down: a
+    peer SIGKILLed mid-receive must not keep the source off what only it
+    held for the reconnect grace (measured: 3.0 s against 1.6 s).
+    """
+    mine = [state for state in streams if state.peer == peer and state.data and not state.lost]
+    serving = [state for state in mine if state.up and not state.quiet(now, source_time)]
+    if not serving:
+        return math.inf
+    measured = [pace for pace in (state.pace() for state in serving) if pace]
+    return min(measured) if measured else None
 
 
 def _bit(seq: int) -> int:
@@ -266,7 +261,7 @@ class SpanBook:
         self.registry = registry if registry is not None else Registry()
         self._streams: list[_Stream] = []
         self._all = (1 << messages) - 1
-        self._holds = _Holdings(self._all)
+        self._holds = Holdings(self._all, SOURCE)
         self._wanted = self._all  # not landed
         self._free = self._all  # not landed and not asked for on any stream
         self._prefix = 0
@@ -310,10 +305,20 @@ class SpanBook:
         self._streams.append(_Stream(peer, data))
         return len(self._streams) - 1
 
-    def holds(self, peer: int, have: int, coming: int = 0) -> None:
+    def holds(self, peer: int, have: int, coming: int = 0, now: float = 0.0) -> None:
         """``peer`` reported holding the messages set in ``have`` and fetching those in ``coming``
-        (bit sets; out-of-plan bits are ignored)."""
-        self._holds.report(peer, have, coming)
+        (bit sets; out-of-plan bits are ignored), at ``now``."""
+        self._holds.report(peer, have, coming, now)
+
+    def unbacked(self, now: float) -> list[int]:
+        """Peers whose claims to be fetching what this receive wants have gone unbacked past their
+        :func:`~.claims.claim_bound` (:mod:`.claims`): drop them."""
+        source_time, holds = self._source_time(), self._holds
+        for state in self._streams:
+            if state.last_data is not None:
+                holds.delivered(state.peer, state.last_data)
+        paces = {p: _peer_pace(self._streams, p, now, source_time) for p in holds.coming}
+        return [p for p, pace in paces.items() if holds.unbacked(p, self._wanted, now, claim_bound(source_time, pace))]
 
     def wants_claim(self) -> bool:
         """Whether this receive should ask the source to reserve it more messages."""
@@ -501,7 +506,7 @@ class SpanBook:
         for other, held in self._holds.held.items():
             if other == peer or held is None:
                 continue
-            pace = self._peer_pace(other, now, source_time)
+            pace = _peer_pace(self._streams, other, now, source_time)
             if pace is math.inf:
                 continue  # no stream left to it, or every one gone quiet: it serves nobody now
             theirs = held | self._holds.coming.get(other, 0)
@@ -509,21 +514,6 @@ class SpanBook:
             if not (mine and pace is not None and pace > FASTER_BY * mine):
                 not_slow |= theirs
         return everyone, not_slow
-
-    def _peer_pace(self, peer: int, now: float, source_time: float) -> float | None:
-        """The best measured pace of ``peer``'s live streams (None: none measured yet; inf: none serving);
-        ``source_time`` as for :meth:`_Stream.quiet_after`.
-
-        A stream whose connection dropped serves nobody while it is down: a
-        peer SIGKILLed mid-receive must not keep the source off what only it
-        held for the reconnect grace (measured: 3.0 s against 1.6 s).
-        """
-        streams = [i for i, state in enumerate(self._streams) if state.peer == peer and state.data and not state.lost]
-        serving = [i for i in streams if self._streams[i].up and not self._streams[i].quiet(now, source_time)]
-        if not serving:
-            return math.inf
-        measured = [pace for pace in (self.pace(index) for index in serving) if pace]
-        return min(measured) if measured else None
 
     def _choose(self, stream: int, candidates: int, now: float) -> tuple[int, int] | None:
         """The span to ask ``stream`` for among ``candidates``: the rarest first, from this receive's offset on.

@@ -1,0 +1,84 @@
+"""What peers say they hold and are fetching: hints with deadlines (docs/security.md, "Claims are hints").
+
+A swarm member tells the others what it holds and what it is fetching now
+(a ``have`` reply's ``bits`` and ``coming``; what the source reserved for it
+is part of what it fetches). A receive believes what a peer holds only as far
+as asking it for it (a peer that does not deliver what it was asked for is
+dropped by the quiet rules of :mod:`.spans`), but what a peer is *fetching*
+it believes more: the source is not asked for a message another member as
+fast is about to serve. Believed without end, a member that answers "I hold
+nothing but am fetching everything" and serves nothing kept another receiver
+from asking the source for anything until its timeout (15 s for a 0.1 s
+transfer); so did an honest member frozen (SIGSTOP) with messages reserved.
+
+So a claim counts only while the peer backs it: what it holds grows, or it
+delivers, at least once per :func:`claim_bound` (a multiple of the time a
+message takes here, from the source or from that peer, and a floor). A peer
+whose claims this receive still wants went that long without either loses
+them, and the receive drops it (:meth:`.planner.ReceivePlanner`).
+
+Pure: bit sets as Python integers, an explicit ``now``.
+"""
+
+from __future__ import annotations
+
+# A peer's claims lapse after this many times the time a message takes here
+# (the slowest live path from the source, or that peer's own pace when it is
+# slower): an honest member fetching lands a message every message time or
+# so, from the source or from the others, and is asked what it holds every
+# 10-100 ms (peers.HAVE_EVERY, HAVE_REFRESH). Twice the quiet rule's
+# QUIET_GAPS: a member fetching waits on senders that serve others too.
+CLAIM_GAPS = 8.0
+# Seconds: never sooner (three of a busy peer's have refreshes, and scheduling
+# noise on a busy host); well within the rogue rows' clean time (issue 34's
+# target: a receive with a peer that claims and serves nothing within 1.5x of
+# the clean time).
+CLAIM_FLOOR = 0.3
+
+
+def claim_bound(source_time: float, pace: float | None) -> float:
+    """Seconds a peer's claims are believed without its holdings growing or its delivering anything:
+    ``source_time`` is what a message takes from the source here, ``pace`` the peer's own (None: unknown)."""
+    return max(CLAIM_FLOOR, CLAIM_GAPS * max(source_time, pace or 0.0))
+
+
+class Holdings:
+    """What each peer holds and is fetching, as it reported (bit sets within ``everything``; ``source``
+    holds all and says nothing), and since when each peer's claims have gone unbacked."""
+
+    def __init__(self, everything: int, source: int) -> None:
+        self.everything = everything
+        self.source = source
+        self.held: dict[int, int | None] = {source: None}  # None: everything
+        self.coming: dict[int, int] = {}
+        self.backed: dict[int, float] = {}  # peer -> when its claims were last backed (or first made)
+
+    def report(self, peer: int, have: int, coming: int, now: float) -> None:
+        """``peer`` says it holds ``have`` and is fetching ``coming``: what it holds grew (its claims are
+        backed), or it claims anew (their clock starts now), or neither (it keeps running)."""
+        if peer == self.source:
+            return
+        before = self.held.get(peer) or 0
+        held = have & self.everything
+        if held & ~before or not self.coming.get(peer):
+            self.backed[peer] = now
+        self.held[peer] = held
+        self.coming[peer] = coming & self.everything & ~held
+
+    def delivered(self, peer: int, now: float) -> None:
+        """A message from ``peer`` arrived: it is serving, its claims are backed."""
+        if peer in self.backed:
+            self.backed[peer] = max(self.backed[peer], now)
+
+    def of(self, peer: int) -> int:
+        held = self.held.get(peer, 0)
+        return self.everything if held is None else held
+
+    def unbacked(self, peer: int, wanted: int, now: float, bound: float) -> bool:
+        """Whether ``peer`` claims to fetch some of ``wanted`` and has backed no claim for ``bound`` seconds."""
+        return bool(self.coming.get(peer, 0) & wanted) and now - self.backed.get(peer, now) >= bound
+
+    def forget(self, peer: int) -> None:
+        self.held[peer] = 0
+        self.coming.pop(peer, None)
+        self.backed.pop(peer, None)
