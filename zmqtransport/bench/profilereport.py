@@ -8,21 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from .runner import ScenarioResult, Trial
+from .tables import table
 
 # Functions printed per profiled receiver (of the TOP_FUNCTIONS each receive keeps).
 PRINTED_FUNCTIONS = 15
 _PHASES = ("header", "land", "data", "build")
-
-
-def _plain_table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for number, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells).rstrip())
-        if number == 0:
-            lines.append("  ".join("-" * width for width in widths))
-    return lines
 
 
 def _median_of(trials: Sequence[Trial], process: str, pick: Any) -> float | None:
@@ -74,7 +64,7 @@ def _function_lines(trial: Trial) -> list[str]:
         rows = [["function", "calls", "own s", "cumulative s"]]
         rows += [[label, str(calls), f"{own:.3f}", f"{cum:.3f}"] for label, calls, own, cum in functions]
         lines.append(f"  {name}: its receiving thread's functions by own time (cProfile, trial {trial.trial})")
-        lines += ["    " + line for line in _plain_table(rows[: PRINTED_FUNCTIONS + 1])]
+        lines += ["    " + line for line in table(rows[: PRINTED_FUNCTIONS + 1])]
     return lines
 
 
@@ -94,12 +84,12 @@ def format_profiles(results: Sequence[ScenarioResult]) -> str:
                 f"profile of {scenario.name} / {method} ({len(trials)} trial(s), medians; --profile slows the "
                 "receiving thread: read proportions, not speed). CPU from just before the receives start to the "
                 "trial's end, per process and thread; cpu s/GiB per GiB of the state",
-                *_plain_table(_thread_rows(trials, gib)),
+                *table(_thread_rows(trials, gib)),
             ]
             phases = _phase_rows(trials)
             if phases:
                 lines += ["  the cold receive's phases (wall s) and its process's CPU over it:"]
-                lines += ["    " + line for line in _plain_table(phases)]
+                lines += ["    " + line for line in table(phases)]
             lines += _function_lines(trials[-1])
             blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

@@ -19,6 +19,7 @@ from .growth import growth_series, seconds_per_gib
 from .layouts import UNIFORM
 from .methods import METHODS, CutMethod
 from .runner import MethodSummary, ScenarioResult, path_host
+from .tables import table
 from .targets import Target, evaluate_targets
 
 _MIB = float(1 << 20)
@@ -73,17 +74,6 @@ def human_bytes(nbytes: float) -> str:
 
 def _seconds(value: float) -> str:
     return f"{value:.4f}" if value < 0.1 else f"{value:.3f}"
-
-
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for number, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells).rstrip())
-        if number == 0:
-            lines.append("  ".join("-" * width for width in widths))
-    return lines
 
 
 def memory_available() -> int | None:
@@ -154,7 +144,7 @@ def format_result(result: ScenarioResult) -> str:
         row += _cpu_cells(entry, multi)
         row += [f"{entry.send_rss_max / _MIB:.0f}", f"{entry.recv_rss_max / _MIB:.0f}"]
         rows.append(row)
-    lines = [_title(result), *_table(rows), CPU_NOTE]
+    lines = [_title(result), *table(rows), CPU_NOTE]
     return "\n".join([*lines, *_notes(result), *_disallow_lines(result)])
 
 
@@ -260,14 +250,14 @@ def format_lab_result(result: ScenarioResult) -> str:
     else:
         lines.append("unshaped links: no ideal; ratio columns: anchor seconds / method seconds (above 1 = faster)")
     tail = [CPU_NOTE, *_path_notes(result), *_notes(result), *_disallow_lines(result)]
-    return "\n".join([*lines, *_table(rows), *tail])
+    return "\n".join([*lines, *table(rows), *tail])
 
 
 def _disallow_lines(result: ScenarioResult) -> list[str]:
     if result.scenario.disallow is None:
         return []
     title, rows, notes = disallow_table(result)
-    return ["", title, *_table(rows), *notes]
+    return ["", title, *table(rows), *notes]
 
 
 def format_growth(results: Sequence[ScenarioResult]) -> str:
@@ -286,7 +276,7 @@ def format_growth(results: Sequence[ScenarioResult]) -> str:
         "growth: cold seconds per GiB by state size (medians of each scenario above); growth is seconds per GiB "
         f"at {sizes[-1]} over seconds per GiB at {sizes[0]} (1.00: time grows as the bytes)"
     )
-    return "\n".join([title, *_table(rows)])
+    return "\n".join([title, *table(rows)])
 
 
 def format_targets(targets: Sequence[Target]) -> str:
