@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import sys
 import time
@@ -151,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shared-cores", type=int, default=0, help="all processes share this many (the lab)")
     parser.add_argument("--no-relay", action="store_true", help="relay=False: every receiver from the source")
     parser.add_argument("--json", action="store_true", help="the per-receiver rows too, before the summary")
+    parser.add_argument("--verbose", action="store_true", help="the planners' log (peers dropped and why)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
     if args.receivers < 1:
         parser.error("--receivers must be at least 1")
     result = simulate(args.receivers, args.mib, args.rate_mbit, args.mixed, args.kill, args.liars, args.seed,
