@@ -58,7 +58,7 @@ def simulate(
     ``cores``: cores per process (1: a receive's Python work holds the GIL); ``shared_cores``: all the
     processes share that many (the lab: one machine), instead.
     """
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # noqa: S311 (a model's draws, reproducible by seed; nothing secret)
     loop, started = Loop(), time.monotonic()
     net = Net(loop)
     pool = model.Cores(shared_cores) if shared_cores else None
@@ -85,13 +85,13 @@ def simulate(
             server = Server(net, h, Scheduler(TIMEOUT, STALL, is_local=lambda _: False), None, liar=i in lying)
             directory[name] = server
         members.append(Member(net, h, source, directory, server, kill_at=0.4 if i in killed else None))
-    for i, member in enumerate(members):
+    for member in members:
         member.others = members
         # Requests reach the source in some order within a millisecond (torchft starts them together).
         loop.at(rng.random() * 1e-3, member.start)
     loop.run(TIMEOUT, lambda: all(m.finished for m in members))
     truth = {seq: content(seq) for seq in range(staged.messages)}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, member in enumerate(members):
         out = member.outcome
         ideal = state_bytes * 8 / member.host.down.bps

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import digests, wire
-from ..codec.tensors import EncodedTree
 from ..fetch import planner as plans
 from ..fetch.peers import start_offset
 from ..fetch.planner import ReceivePlanner, Swarm, span_messages
@@ -337,7 +336,8 @@ class Member:
         order = reply.relay
         algorithm = digests.algorithm(reply.digest) if reply.digest is not None else None
         terms = SpanTerms(STEP, reply.stage, False, TIMEOUT, STALL, algorithm)
-        swarm, offset, known = None, 0, ()
+        swarm, offset = None, 0
+        known: tuple[wire.Peer, ...] = ()
         if order is not None and algorithm is not None:
             known = order.peers
             swarm = Swarm(order.token, known)
@@ -545,15 +545,19 @@ class Member:
         """The process dies: nothing more goes out; every connection to or from it goes down."""
         self.outcome.killed = True
         self.host.dead = True
+        now = self.net.loop.now
         for conn in self.conns:
             conn.closed = True
-            server = conn.server
-            self.net.loop.at(self.net.loop.now + self.host.latency + server.host.latency,
-                             lambda server=server, conn=conn: server.disconnected_by_death(conn))
+            self.net.loop.at(now + self.host.latency + conn.server.host.latency, self._gone_from(conn))
         for other in self.others:
             if other is not self:
-                self.net.loop.at(self.net.loop.now + self.host.latency + other.host.latency,
-                                 lambda other=other: other.lost(self.host.name))
+                self.net.loop.at(now + self.host.latency + other.host.latency, self._gone_to(other))
+
+    def _gone_from(self, conn: Conn) -> Callable[[], None]:
+        return lambda: conn.server.disconnected_by_death(conn)
+
+    def _gone_to(self, other: Member) -> Callable[[], None]:
+        return lambda: other.lost(self.host.name)
 
     def lost(self, server_name: str) -> None:
         """Every connection of this receive to ``server_name`` went down (its process died)."""
