@@ -82,4 +82,6 @@ def test_a_link_is_a_fifo_and_cores_are_shared() -> None:
     first = link.carry(0.0, 1000)
     assert link.carry(0.0, 1000) == pytest.approx(2 * first)
     cores = Cores(1)
-    assert cores.take(0.0, 1.0) == 1.0 and cores.take(0.0, 1.0) == 2.0
+    assert cores.take(0.0, 1.0) == pytest.approx(1.0) and cores.take(0.0, 1.0) == pytest.approx(2.0)
+    two = Cores(2)  # a thread uses one core at a time: two tasks at once each take their own
+    assert two.take(0.0, 1.0) == pytest.approx(1.0) and two.take(0.0, 1.0) == pytest.approx(1.0)
