@@ -125,6 +125,7 @@ def simulate(
         "upload_over_state": round(c.source_data_bytes / state_bytes, 4),
         "control_per_receiver": round(c.control_messages / receivers, 2),
         "source_control_per_receiver": round(c.source_control / receivers, 2),
+        "control_by_kind_per_receiver": {k: round(v / receivers, 2) for k, v in sorted(c.by_kind.items())},
         "completed": sum(1 for r in rows if r["bit_exact"]),
         "survivors": len(survivors),
         "failed": sum(1 for r in rows if r["failed"]),

@@ -65,6 +65,11 @@ class Counters:
     source_data_bytes: int = 0
     source_control: int = 0  # control messages into or out of the source
     duplicates: int = 0
+    # Control messages by kind: request or reply op, and whether the source or a member takes part.
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    def count(self, kind: str) -> None:
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
 
 
 class Net:
@@ -180,8 +185,11 @@ class Server:
         """Send a reply (``payload``: the bytes of the frames after the envelope) on ``conn``."""
         if conn.closed or conn.member.host.dead:
             return
-        if self.is_source and not data:
-            self.net.counters.source_control += 1
+        if not data:
+            if self.is_source:
+                self.net.counters.source_control += 1
+            op = wire.unpack(envelope, wire.MAX_REQUEST_BYTES).get("op")
+            self.net.counters.count(f"{op} reply {'from the source' if self.is_source else 'from a member'}")
         ready = self.host.serving.run(self.net.loop.now, cost)
         size = len(envelope) + payload + model.FRAME_OVERHEAD
         member, more = conn.member, payload > 0 or bool(body)
@@ -385,6 +393,9 @@ class Member:
         server = conn.server
         if server.is_source:
             self.net.counters.source_control += 1
+        message = wire.unpack(frame, wire.MAX_REQUEST_BYTES)
+        op = "digests" if message.get("digests_only") else "span" if "span" in message else message.get("op")
+        self.net.counters.count(f"{op} to {'the source' if server.is_source else 'a member'}")
 
         def arrive() -> None:
             if not conn.closed:
