@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import wire
 from ..codec.tensors import EncodedTree
+from ..serve.admission import Limits
 from ..serve.scheduler import Scheduler
 from ..serve.staged import Staged
 from . import model
@@ -52,11 +53,13 @@ def simulate(
     cores: int = 1,
     shared_cores: int = 0,
     relay: bool = True,
+    source_transfers: int | None = None,
 ) -> dict[str, Any]:
     """One job start: a source and ``receivers`` receivers starting together. Returns the figures.
 
     ``cores``: cores per process (1: a receive's Python work holds the GIL); ``shared_cores``: all the
-    processes share that many (the lab: one machine), instead.
+    processes share that many (the lab: one machine), instead. ``source_transfers``: the source's
+    ``Limits.transfers`` (None: the default), to see a design with another limit.
     """
     rng = random.Random(seed)  # noqa: S311 (a model's draws, reproducible by seed; nothing secret)
     loop, started = Loop(), time.monotonic()
@@ -69,7 +72,8 @@ def simulate(
     staged = staged_state(mib)
     state_bytes = wire.plan_bytes(staged.plan)
     source_host = host("10.0.0.1", rate_mbit, latency, cores_for())
-    source = Server(net, source_host, Scheduler(TIMEOUT, STALL, is_local=lambda _: False), staged)
+    limits = Limits() if source_transfers is None else Limits(transfers=source_transfers)
+    source = Server(net, source_host, Scheduler(TIMEOUT, STALL, limits, is_local=lambda _: False), staged)
     order = list(range(receivers))
     rng.shuffle(order)  # who is slow, who dies, who lies: drawn by the seed
     slow = set(order[: receivers // 4]) if mixed else set()
@@ -152,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cores", type=int, default=1, help="cores per process")
     parser.add_argument("--shared-cores", type=int, default=0, help="all processes share this many (the lab)")
     parser.add_argument("--no-relay", action="store_true", help="relay=False: every receiver from the source")
+    parser.add_argument("--source-transfers", type=int, default=None,
+                        help="the source's limit on data transfers at once (default: Limits' own)")
     parser.add_argument("--json", action="store_true", help="the per-receiver rows too, before the summary")
     parser.add_argument("--verbose", action="store_true", help="the planners' log (peers dropped and why)")
     args = parser.parse_args(argv)
@@ -159,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.receivers < 1:
         parser.error("--receivers must be at least 1")
     result = simulate(args.receivers, args.mib, args.rate_mbit, args.mixed, args.kill, args.liars, args.seed,
-                      args.latency_ms / 1000, args.cores, args.shared_cores, not args.no_relay)
+                      args.latency_ms / 1000, args.cores, args.shared_cores, not args.no_relay,
+                      args.source_transfers)
     rows = result.pop("per_receiver")
     if args.json:
         for row in rows:
