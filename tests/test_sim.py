@@ -1,0 +1,87 @@
+"""The simulator (zmqtransport/sim): small models, run fast, through the real planner and scheduler.
+
+Figures here are the model's own outputs held to what its design promises
+(everything lands bit-exact, the source sends a swarm about one state), never
+timings of this machine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zmqtransport.sim import cli
+from zmqtransport.sim.cli import simulate
+from zmqtransport.sim.model import Cores, Link
+
+SMALL = {"mib": 4.0, "rate_mbit": 400.0}  # 16 data messages of 256 KiB
+
+
+def test_a_swarm_completes_bit_exact_with_the_source_sending_about_one_state() -> None:
+    result = simulate(4, mib=16.0)  # 64 data messages: at 16 the first spans are a large part of the state
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["upload_over_state"] < 1.5  # the direct receives below send 4x
+    assert result["slowest_over_ideal"] >= 1.0
+    assert result["control_per_receiver"] > 0
+
+
+def test_without_relaying_the_source_sends_the_state_to_each_receiver() -> None:
+    result = simulate(3, relay=False, **SMALL)
+    assert result["completed"] == 3
+    assert result["upload_over_state"] == pytest.approx(3.0, rel=0.01)
+
+
+def test_one_receiver_takes_about_the_ideal_time() -> None:
+    result = simulate(1, **SMALL)
+    assert result["completed"] == 1
+    # The header round trip and the first spans are a large part of 4 MiB (84 ms at 400 Mbit/s).
+    assert 1.0 <= result["slowest_over_ideal"] < 2.0
+
+
+def test_a_seed_gives_the_same_figures() -> None:
+    first, second = simulate(4, seed=7, **SMALL), simulate(4, seed=7, **SMALL)
+    for result in (first, second):
+        result.pop("wall_s")
+    assert first == second
+
+
+def test_a_killed_member_does_not_keep_the_others_from_completing() -> None:
+    result = simulate(6, kill=0.2, **SMALL)  # one member dies at 40% of its receive
+    assert result["survivors"] == 5
+    assert result["completed"] == 5
+    rows = result["per_receiver"]
+    assert sum(1 for row in rows if row["killed"]) == 1
+
+
+def test_a_member_that_claims_without_delivering_is_dropped_and_the_others_complete() -> None:
+    result = simulate(4, liars=1, **SMALL)
+    assert result["completed"] == 4  # the liar's own receive is honest; only its serving side lies
+
+
+def test_slow_links_take_longer_than_fast_ones() -> None:
+    result = simulate(4, mixed=True, **SMALL)
+    rows = result["per_receiver"]
+    slow = [row for row in rows if row["mbit"] < 400]
+    assert len(slow) == 1 and result["completed"] == 4
+    assert slow[0]["seconds"] > max(row["seconds"] for row in rows if row["mbit"] == 400)
+
+
+def test_the_cli_prints_the_figures_as_json_on_its_last_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--receivers", "2", "--mib", "2", "--seed", "1", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    for key in ("receivers", "slowest_over_ideal", "upload_over_state", "control_per_receiver", "completed"):
+        assert key in summary
+    assert summary["receivers"] == 2 and summary["completed"] == 2
+    assert len(lines) == 3  # --json: a row per receiver, then the summary
+
+
+def test_a_link_is_a_fifo_and_cores_are_shared() -> None:
+    link = Link(8e6)  # a byte a microsecond, before the wire overhead
+    first = link.carry(0.0, 1000)
+    assert link.carry(0.0, 1000) == pytest.approx(2 * first)
+    cores = Cores(1)
+    assert cores.take(0.0, 1.0) == pytest.approx(1.0) and cores.take(0.0, 1.0) == pytest.approx(2.0)
+    two = Cores(2)  # a thread uses one core at a time: two tasks at once each take their own
+    assert two.take(0.0, 1.0) == pytest.approx(1.0) and two.take(0.0, 1.0) == pytest.approx(1.0)
