@@ -159,9 +159,10 @@ class Server:
         now = self.net.loop.now
         self.conns[conn.rid] = conn
         request = wire.decode_request(frame)
-        if self.liar and request.token is not None:
+        relaying = list(self.scheduler.relaying.steps.values())
+        if self.liar and request.token is not None and relaying:
             if request.op == wire.OP_HAVE:  # claims everything, delivers nothing (a span fetch is never served)
-                messages = len(next(iter(self.scheduler.relaying.steps.values())).plan)
+                messages = len(relaying[0].plan)
                 self.reply(conn, wire.have_reply(request.xfer, (1 << messages) - 1, messages), 0)
             return
         self.execute(self.scheduler.on_request(conn.rid, request, conn.member.host.name, now))
