@@ -12,8 +12,10 @@ the tests of the swarm do (``RELAY_LOOPBACK``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 from urllib.parse import quote
@@ -54,10 +56,9 @@ def _offer_what_nobody_can_use(metadata: str, joined: Any, seconds: float) -> No
     context.destroy(linger=0)
 
 
-def test_an_offer_the_next_receivers_cannot_use_fails_nobody(
-    processes: Processes, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)  # chain local receivers, as across hosts
+@contextlib.contextmanager
+def _a_member_offering_curve(processes: Processes) -> Iterator[tuple[ZMQTransport[Any], ZMQTransport[Any], Any]]:
+    """A plain source serving step 1, an honest receiver, and the modified member (its own process) joined."""
     want = {"w": torch.arange(1 << 20, dtype=torch.float32), "step": 1}
     source: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
     honest: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
@@ -68,14 +69,22 @@ def test_an_offer_the_next_receivers_cannot_use_fails_nobody(
         member = processes.Process(target=_offer_what_nobody_can_use, args=(source.metadata(), joined, 20.0))
         member.start()
         assert joined.wait(30), "the modified member never got its header"
-        assert source._server._scheduler.swarm.members == [], "an offer nobody can use was believed"
-        assert_same(honest.recv_checkpoint(0, source.metadata(), 1, TIMEOUT), want)
+        yield source, honest, want
     finally:
         if member is not None:
             member.kill()
             member.join(10)
         honest.shutdown()
         source.shutdown()
+
+
+def test_an_offer_the_next_receivers_cannot_use_fails_nobody(
+    processes: Processes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)  # chain local receivers, as across hosts
+    with _a_member_offering_curve(processes) as (source, honest, want):
+        assert source._server._scheduler.swarm.members == [], "an offer nobody can use was believed"
+        assert_same(honest.recv_checkpoint(0, source.metadata(), 1, TIMEOUT), want)
 
 
 def test_an_offer_the_source_believed_and_this_receiver_cannot_use_drops_that_peer_only(
@@ -87,25 +96,10 @@ def test_an_offer_the_source_believed_and_this_receiver_cannot_use_drops_that_pe
     WARNING naming it, and the receive lands the source's bytes."""
     monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)
     monkeypatch.setattr(swarm, "usable_params", lambda params, curve: True)  # a source that believes any offer
-    want = {"w": torch.arange(1 << 20, dtype=torch.float32), "step": 1}
-    source: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
-    honest: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
-    joined = processes.Event()
-    member = None
-    try:
-        source.send_checkpoint([1, 2], 1, want, TIMEOUT)
-        member = processes.Process(target=_offer_what_nobody_can_use, args=(source.metadata(), joined, 20.0))
-        member.start()
-        assert joined.wait(30), "the modified member never got its header"
+    with _a_member_offering_curve(processes) as (source, honest, want):
         [member_of] = source._server._scheduler.swarm.members  # believed, as an earlier source would
         assert "curve=" in member_of.at
         with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
             assert_same(honest.recv_checkpoint(0, source.metadata(), 1, TIMEOUT), want)
         named = [r.getMessage() for r in caplog.records if "cannot fetch from a peer" in r.getMessage()]
         assert len(named) == 1 and "curve" in named[0].lower(), named
-    finally:
-        if member is not None:
-            member.kill()
-            member.join(10)
-        honest.shutdown()
-        source.shutdown()
