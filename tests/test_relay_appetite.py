@@ -24,7 +24,8 @@ resident memory (``VmHWM``) under attack may exceed it by at most the documented
 bound (32 MiB per connection, ``send_queue_bytes`` for all copies together)
 plus a margin, and so may its resident memory as ``recv_checkpoint`` returns;
 once the relay's stall bound has passed, by at most the margin (the cut frees
-the attacker's queues; glibc is asked to hand back what nothing references). The relay logs at most a few WARNINGs: one per peer and kind. Two
+the attacker's queues; glibc is asked to hand back what nothing references).
+The relay logs at most a few WARNINGs: one per peer and kind. Two
 states: small tensors (every message a packed frame) and large ones (1 MiB
 frames of a few storages). Memory bounds have generous margins; time bounds
 are hang detectors, not performance assertions.
@@ -245,7 +246,8 @@ def test_a_peer_that_asks_a_relay_and_never_reads_cannot_make_the_replica_hold_m
     returned = flooded["at_return"] - clean["at_return"]
     print(
         f"{kind}: relay peak RSS {clean['peak'] / MiB:.0f} MiB clean, {flooded['peak'] / MiB:.0f} MiB flooded"
-        f" (+{grown / MiB:.0f}); at return +{returned / MiB:.0f} MiB; after the stall bound {clean['after'] / MiB:.0f} / {flooded['after'] / MiB:.0f} MiB"
+        f" (+{grown / MiB:.0f}); at return +{returned / MiB:.0f} MiB;"
+        f" after the stall bound {clean['after'] / MiB:.0f} / {flooded['after'] / MiB:.0f} MiB"
         f" (+{kept / MiB:.0f}); {log.count('WARNING')} WARNINGs"
     )
     # What one connection may hold (every relayed message is a copy, so the copy bound,
