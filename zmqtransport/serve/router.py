@@ -159,7 +159,7 @@ class Router:
             return  # already gone: the monitor reports its end
         finally:
             connection.detach()
-        busy_fds = {fd for peer, fd in self._peer_fds.items() if peer in busy}
+        busy_fds = {held for peer, held in self._peer_fds.items() if peer in busy}
         closing, why = self.connections.accepted(fd, host, time.monotonic(), busy_fds)
         if closing is not None and _shut_down(closing, self.connections.host(closing) or host):
             self._refused.append((self.connections.host(closing) or host, why))
