@@ -59,7 +59,7 @@ STEP = 1
 CONNECTIONS = 4
 PER_CONNECTION = 4  # fetches per connection: the per-peer transfer limit
 RELAY_STALL = 1.0  # the relay's stall bound (seconds): how long an unread connection may hold its queue
-RECEIVE_SECONDS = 3.0  # the relay's own receive is slowed to about this long: the window to flood in
+RECEIVE_SECONDS = 2.0  # the relay's own receive is slowed to about this long: the window to flood in
 QUEUED_PER_CONNECTION = 32 * MiB  # serve/frames.py, documented in docs/security.md
 MARGIN = 64 * MiB  # the honest receivers' fetches, allocator slack, a run's noise
 TIMEOUT = timedelta(seconds=60)
@@ -136,7 +136,7 @@ def _relay(kind: str, metadata: str, started: Any, results: Any, stop: Any, log_
             assert_same(got, _state(kind))
         except AssertionError:
             exact = False
-        time.sleep(RELAY_STALL + 1.5)  # the stall bound passes: what an unread connection queued is freed
+        time.sleep(RELAY_STALL + 1.0)  # the stall bound passes: what an unread connection queued is freed
         results.put(
             {
                 "exact": exact,
