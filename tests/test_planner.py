@@ -17,7 +17,7 @@ import pytest
 
 from zmqtransport import digests, wire
 from zmqtransport.errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
-from zmqtransport.fetch.claims import CLAIM_FLOOR
+from zmqtransport.fetch.claims import CLAIM_FLOOR, DROP_AFTER
 from zmqtransport.fetch.liveness import CONNECT_BOUND, RECONNECT_GRACE
 from zmqtransport.fetch.planner import (
     CLAIM_MESSAGES,
@@ -480,7 +480,8 @@ def test_a_peer_that_claims_to_fetch_everything_and_serves_nothing_loses_its_cla
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Issue 34: its claims counted as "someone as fast is fetching it" without end: the source was asked
-    for nothing until the receive's timeout. Now they lapse after the claim bound and it is dropped."""
+    for nothing until the receive's timeout. Now they lapse after the claim bound (the source is asked),
+    and claiming on without backing it, it is dropped after DROP_AFTER bounds, with one WARNING."""
     net = a_member_that_claims(coming=0xFF)
     source, peer = 0, 1
     with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
@@ -490,8 +491,13 @@ def test_a_peer_that_claims_to_fetch_everything_and_serves_nothing_loses_its_cla
             assert net.spans(source) == []  # a hint, believed for now: the source is asked for nothing
         net.tick(CLAIM_FLOOR + 0.01)
         claim(net, peer, 0, 0xFF)
+        net.tick(CLAIM_FLOOR + 0.02)
+        assert net.spans(source)  # its claims lapsed: what it claimed goes to the source
+        assert peer not in net.closed
+        while net.now < DROP_AFTER * CLAIM_FLOOR + 0.01:
+            net.tick(net.now + 0.01)
+            claim(net, peer, 0, 0xFF)  # believed no more: it stays lapsed however often it says it
     assert peer in net.closed and net.plan.peers is not None and net.plan.peers.dropped(peer)
-    assert net.spans(source)  # what it claimed goes to the source
     named = [r.getMessage() for r in caplog.records if "dropping the peer" in r.getMessage()]
     assert len(named) == 1 and "mem://1" in named[0] and "claims to be fetching" in named[0]
     finish_from_source(net)
@@ -499,14 +505,31 @@ def test_a_peer_that_claims_to_fetch_everything_and_serves_nothing_loses_its_cla
 
 def test_a_peer_frozen_with_claims_outstanding_loses_them() -> None:
     """An honest member frozen (SIGSTOP): it answered once, holding 0 and 1 and fetching the rest, and
-    then nothing; its question stays unanswered. Its claims lapse as a liar's do."""
+    then nothing; its question stays unanswered. Its claims lapse as a liar's do, and it is dropped."""
     net = a_member_that_claims(coming=0xFC, holds=0b11)
     source, peer = 0, 1
     net.tick(CLAIM_FLOOR / 2)
     assert net.spans(source) == [] and peer not in net.closed
     net.tick(CLAIM_FLOOR + 0.01)
+    net.tick(CLAIM_FLOOR + 0.02)
+    assert net.spans(source) and peer not in net.closed  # lapsed: the source is asked
+    net.tick(DROP_AFTER * CLAIM_FLOOR + 0.01)
     assert peer in net.closed
     finish_from_source(net)
+
+
+def test_a_peer_starved_for_a_moment_is_believed_again_and_kept() -> None:
+    """An honest member on a loaded host: nothing new for longer than the claim bound (its claims
+    lapse), then it holds more again: it is believed again and not dropped."""
+    net = a_member_that_claims(coming=0xFC, holds=0b11)
+    source, peer = 0, 1
+    net.tick(CLAIM_FLOOR + 0.01)
+    net.tick(CLAIM_FLOOR + 0.02)
+    assert net.spans(source)  # lapsed meanwhile
+    net.tick(2 * CLAIM_FLOOR)
+    claim(net, peer, 0b111, 0xF8)  # it came to hold one more
+    net.tick(DROP_AFTER * CLAIM_FLOOR + 0.01)
+    assert peer not in net.closed
 
 
 def test_a_peer_whose_holdings_grow_keeps_its_claims() -> None:

@@ -15,7 +15,14 @@ So a claim counts only while the peer backs it: what it holds grows, or it
 delivers, at least once per :func:`claim_bound` (a multiple of the time a
 message takes here, from the source or from that peer, and a floor). A peer
 whose claims this receive still wants went that long without either loses
-them, and the receive drops it (:meth:`.planner.ReceivePlanner`).
+them (they lapse: the receive fetches those messages from the source and the
+others at once), and if it goes :data:`DROP_AFTER` claim bounds so, still
+claiming, the receive drops it (:meth:`.planner.ReceivePlanner`). A lapsed
+peer that comes to hold more, or delivers, is believed again: an honest
+member starved of CPU for a moment on a loaded host keeps its place (on the
+unshaped lab rows, where the bound is the floor, dropping at the first bound
+dropped such members), while one that claims and never delivers costs one
+claim bound and is dropped.
 
 Pure: bit sets as Python integers, an explicit ``now``.
 """
@@ -34,6 +41,9 @@ CLAIM_GAPS = 8.0
 # target: a receive with a peer that claims and serves nothing within 1.5x of
 # the clean time).
 CLAIM_FLOOR = 0.3
+# Claim bounds a peer's claims may go unbacked, still claiming, before it is
+# dropped for the receive; they lapse after the first.
+DROP_AFTER = 4
 
 
 def claim_bound(source_time: float, pace: float | None) -> float:
@@ -50,35 +60,54 @@ class Holdings:
         self.everything = everything
         self.source = source
         self.held: dict[int, int | None] = {source: None}  # None: everything
-        self.coming: dict[int, int] = {}
+        self.coming: dict[int, int] = {}  # what each peer is believed to be fetching (0 once lapsed)
         self.backed: dict[int, float] = {}  # peer -> when its claims were last backed (or first made)
+        self.lapsed: dict[int, int] = {}  # peer -> what it still claims, not believed until it backs a claim
 
     def report(self, peer: int, have: int, coming: int, now: float) -> None:
         """``peer`` says it holds ``have`` and is fetching ``coming``: what it holds grew (its claims are
-        backed), or it claims anew (their clock starts now), or neither (it keeps running)."""
+        backed, and believed again if they had lapsed), or it claims anew (their clock starts now), or
+        neither (it keeps running)."""
         if peer == self.source:
             return
         before = self.held.get(peer) or 0
         held = have & self.everything
-        if held & ~before or not self.coming.get(peer):
+        if held & ~before:
+            self._backed(peer, now)
+        elif not self.coming.get(peer) and peer not in self.lapsed:
             self.backed[peer] = now
         self.held[peer] = held
-        self.coming[peer] = coming & self.everything & ~held
+        claims = coming & self.everything & ~held
+        if peer in self.lapsed:
+            self.lapsed[peer], claims = claims, 0
+        self.coming[peer] = claims
 
     def delivered(self, peer: int, now: float) -> None:
-        """A message from ``peer`` arrived: it is serving, its claims are backed."""
-        if peer in self.backed:
-            self.backed[peer] = max(self.backed[peer], now)
+        """A message from ``peer`` arrived at ``now``: it is serving, its claims are backed."""
+        if peer in self.backed and now > self.backed[peer]:
+            self._backed(peer, now)
+
+    def _backed(self, peer: int, now: float) -> None:
+        self.backed[peer] = now
+        self.lapsed.pop(peer, None)  # believed again from its next report
 
     def of(self, peer: int) -> int:
         held = self.held.get(peer, 0)
         return self.everything if held is None else held
 
     def unbacked(self, peer: int, wanted: int, now: float, bound: float) -> bool:
-        """Whether ``peer`` claims to fetch some of ``wanted`` and has backed no claim for ``bound`` seconds."""
-        return bool(self.coming.get(peer, 0) & wanted) and now - self.backed.get(peer, now) >= bound
+        """Whether to drop ``peer``: it claims to fetch some of ``wanted`` and has backed no claim for
+        :data:`DROP_AFTER` times ``bound`` seconds. After one ``bound`` its claims lapse (here)."""
+        since = now - self.backed.get(peer, now)
+        if peer in self.lapsed:
+            return bool(self.lapsed[peer] & wanted) and since >= DROP_AFTER * bound
+        claims = self.coming.get(peer, 0)
+        if claims & wanted and since >= bound:
+            self.lapsed[peer], self.coming[peer] = claims, 0  # not waited on any more: fetched elsewhere
+        return False
 
     def forget(self, peer: int) -> None:
         self.held[peer] = 0
         self.coming.pop(peer, None)
         self.backed.pop(peer, None)
+        self.lapsed.pop(peer, None)

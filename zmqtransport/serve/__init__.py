@@ -11,6 +11,7 @@
     admission       the limits (Limits) and every refusal of a request as it arrives (pure)
     relayed_steps.RelayedSteps (pure) the steps this side relays as a swarm member, by token
     router.Router   the ROUTER socket (options, bind, rebind on the same port)
+    connections.ConnectionBook (pure) connections open per socket and per host, which one goes beyond the caps
     outbox.Outbox   carries out the scheduler's actions on the socket; SentLog of finished sends
     pump.DataPump   data messages for the transfers the scheduler offers (device staging)
     frames.HeldFrames  frames libzmq still holds, per transfer: progress, stuck receivers,

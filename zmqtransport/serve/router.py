@@ -9,13 +9,14 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from .. import sockets, wire
+from .connections import ConnectionBook
 
 logger = logging.getLogger("zmqtransport.serve")
 
@@ -32,9 +33,11 @@ Configure = Callable[[zmq.Socket[Any]], None]  # applies security options to a n
 class Router:
     """One ROUTER socket bound to one or more addresses; :meth:`rebind` replaces it on the same ones.
 
-    A socket monitor reports closed connections (a receiver killed, a connection
-    reset) by file descriptor; each request's source descriptor (``ZMQ_SRCFD``)
-    maps it to the routing ids that used that connection.
+    A socket monitor reports new and closed connections (a receiver killed, a
+    connection reset) by file descriptor; each request's source descriptor
+    (``ZMQ_SRCFD``) maps it to the routing ids that used that connection. New
+    connections beyond the caps of :class:`~.connections.ConnectionBook` are
+    closed at once (or an idle one in their place): :meth:`refusals` says which.
     """
 
     def __init__(
@@ -58,6 +61,8 @@ class Router:
             raise
         self._peer_fds: dict[bytes, int] = {}  # routing id -> descriptor of its connection
         self._addresses: dict[bytes, str] = {}  # routing id -> the peer address its requests came from
+        self.connections = ConnectionBook()
+        self._refused: list[tuple[str, str]] = []  # (peer host, why) of connections closed for the caps
 
     def _make(self) -> zmq.Socket[Any]:
         return sockets.new_socket(self._context, zmq.ROUTER, self._configure_router)
@@ -71,7 +76,8 @@ class Router:
             self._configure(router)
 
     def _monitor(self) -> zmq.Socket[Any]:
-        monitor: zmq.Socket[Any] = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        monitor: zmq.Socket[Any] = self.socket.get_monitor_socket(events)
         return monitor
 
     def _close_monitor(self) -> None:
@@ -80,6 +86,7 @@ class Router:
         self.monitor.close(linger=0)
         self._peer_fds.clear()
         self._addresses.clear()
+        self.connections.clear()
 
     def read(self) -> Iterator[tuple[bytes, str, list[zmq.Frame]]]:
         """Waiting requests as (routing id, peer address, frames after the routing id)."""
@@ -90,7 +97,8 @@ class Router:
                 return
             peer = frames[0].bytes
             with contextlib.suppress(zmq.ZMQError):  # ZMQ_SRCFD is deprecated: without it, stalls still catch the dead
-                self._peer_fds[peer] = int(frames[-1].get(zmq.SRCFD))
+                self._peer_fds[peer] = fd = int(frames[-1].get(zmq.SRCFD))
+                self.connections.seen(fd, time.monotonic())
             address = self._addresses[peer] = _peer_address(frames[-1])
             yield peer, address, frames[1:]
 
@@ -110,28 +118,16 @@ class Router:
         the remote address guards against as well.
         """
         fd = self._peer_fds.get(peer)
-        if fd is None:
-            return False
-        try:
-            connection = socket.socket(fileno=fd)
-        except OSError:
-            return False
-        try:
-            if _host(connection.getpeername()) != _host_of(self._addresses.get(peer, "")):
-                return False
-            connection.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            return False
-        finally:
-            connection.detach()  # libzmq owns the descriptor: never close it here
-        return True
+        return fd is not None and _shut_down(fd, _host_of(self._addresses.get(peer, "")))
 
-    def disconnected(self) -> list[bytes]:
-        """Routing ids whose connection closed since the last call.
+    def disconnected(self, busy: Container[bytes] = ()) -> list[bytes]:
+        """Routing ids whose connection closed since the last call; new connections are checked against the caps.
 
         Read before any request (the serving thread does): libzmq reports a
         closed connection before it closes the descriptor, so a request that
         arrives on a new connection reusing that number is mapped afterwards.
+        ``busy``: routing ids with something running (their connections are
+        never closed to make room for a new one).
         """
         peers: list[bytes] = []
         while True:
@@ -139,13 +135,39 @@ class Router:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return peers
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._accepted(int(event["value"]), busy)
+                continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
+            self.connections.closed(event["value"])
             gone = [peer for peer, fd in self._peer_fds.items() if fd == event["value"]]
             for peer in gone:
                 del self._peer_fds[peer]
                 self._addresses.pop(peer, None)
             peers += gone
+
+    def _accepted(self, fd: int, busy: Container[bytes]) -> None:
+        """A new connection on ``fd``: within the caps it stays; beyond them it (or an idle one) is closed."""
+        try:
+            connection = socket.socket(fileno=fd)
+        except OSError:
+            return
+        try:
+            host = _host(connection.getpeername())
+        except OSError:
+            return  # already gone: the monitor reports its end
+        finally:
+            connection.detach()
+        busy_fds = {held for peer, held in self._peer_fds.items() if peer in busy}
+        closing, why = self.connections.accepted(fd, host, time.monotonic(), busy_fds)
+        if closing is not None and _shut_down(closing, self.connections.host(closing) or host):
+            self._refused.append((self.connections.host(closing) or host, why))
+
+    def refusals(self) -> list[tuple[str, str]]:
+        """(peer host, why) of each connection closed for the caps since the last call."""
+        refused, self._refused = self._refused, []
+        return refused
 
     def send(self, peer: bytes, frames: list[Any]) -> bool:
         """Send a small message; False if the peer is not connected (or not reading)."""
@@ -186,6 +208,28 @@ class Router:
     def close(self) -> None:
         self._close_monitor()
         self.socket.close(linger=0)
+
+
+def _shut_down(fd: int, host: str) -> bool:
+    """Shut the connection on ``fd`` down if its remote host is ``host``; libzmq then closes it.
+
+    Shut down, not closed: libzmq owns the descriptor, sees the connection end,
+    closes it and frees what it queued, as for a peer that went away. The host
+    check guards against a descriptor reused since it was reported.
+    """
+    try:
+        connection = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        if _host(connection.getpeername()) != _host_of(host):
+            return False
+        connection.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False
+    finally:
+        connection.detach()  # libzmq owns the descriptor: never close it here
+    return True
 
 
 def _peer_address(frame: zmq.Frame) -> str:

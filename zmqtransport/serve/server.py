@@ -353,11 +353,13 @@ class Server:
             self._outbox.execute(self._scheduler.on_request(peer, request, address, time.monotonic()))
 
     def _drop_disconnected(self) -> None:
-        for peer in self._router.disconnected():
+        for peer in self._router.disconnected(busy=busy_peers(self._scheduler)):
             for transfer in self._scheduler.disconnected(peer):
                 step, address = transfer.staged.step, transfer.address
                 message = "dropping transfer of step %d to %s: its connection closed"
                 self._notices.warn(address, "connection closed mid-transfer", time.monotonic(), message, step, address)
+        for host, why in self._router.refusals():
+            self._notices.warn(host, "connection refused", time.monotonic(), "closed a connection of %s: %s", host, why)
 
     def _housekeeping(self) -> bool:
         """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
@@ -411,6 +413,12 @@ class Server:
         self._disallows.close(SHUTDOWN_FRAME_WAIT)
         self._held.release_waiters()
         self._wake.close()
+
+
+def busy_peers(scheduler: Scheduler) -> set[bytes]:
+    """Routing ids with something running here (a transfer, a parked request): never closed to make room."""
+    waiting = scheduler.parked + scheduler.relaying.waiting
+    return {peer for peer, _ in scheduler.transfers} | {parked.peer for parked in waiting}
 
 
 def cut(
