@@ -265,3 +265,30 @@ def test_local_peer_addresses(address: str, local: bool) -> None:
 def test_this_hosts_own_routable_address_is_local() -> None:
     own = choose_advertise_host("*")
     assert is_local_address(own)
+
+
+def test_a_lone_receiver_takes_the_direct_path(make_transport: Any) -> None:
+    # The source has no other member receiving: it sends everything over the
+    # one connection at once (no spans, no questions, no peers).
+    sender = make_transport()
+    receiver = make_transport()
+    want = state(4)
+    sender.send_checkpoint([1], 1, want, TIMEOUT)
+    got = receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+    assert same(got, want)
+    stats = receiver.last_recv_stats
+    assert stats.path == "direct"
+    assert stats.streams == 1
+    assert uploaded(sender) == nbytes(want)
+
+
+def test_a_receiver_that_comes_while_another_receives_joins_the_swarm(make_transport: Any) -> None:
+    sender = make_transport(checksum=True)
+    receivers = [make_transport(progress=slow(0.004)) for _ in range(2)]
+    want = state()
+    sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
+    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.05)
+    assert all(same(got, want) for got in results), results
+    first, second = (r.last_recv_stats for r in receivers)
+    assert first.path == "direct"  # alone when it asked
+    assert second.path == "swarm"  # the source named the first as a member

@@ -177,12 +177,17 @@ class Receive:
     def header_phase(self) -> tuple[landing.ParsedHeader, bool]:
         """Ask for and read the header; returns it and whether the data comes striped (in spans)."""
         offer = relay_offer(self.options, self.address)
-        # A striped receive, and one that may join a swarm, asks for the header
-        # alone, then for spans on every connection.
-        stripe = self.options.striped(self.address) or offer is not None
-        self.request(header_only=stripe, keep_paths=stripe, offer=offer)
+        # A striped receive asks for the header alone, then for spans on every
+        # connection. One that only offers to relay asks for everything: a
+        # source with no other member receiving sends the data at once over this
+        # one connection (the direct path: no spans, no questions; the receive
+        # still serves what lands to members that come later), and one with
+        # members sends the header alone, naming them: the receive joins the
+        # swarm, striped.
+        header_only = self.options.striped(self.address)
+        self.request(header_only=header_only, keep_paths=header_only or offer is not None, offer=offer)
         parsed = self.receive_header()
-        if not stripe:
+        if not header_only and not self.sent_header_only():
             return parsed, False
         self.receive_end()
         if self.stage is None:
@@ -193,6 +198,11 @@ class Receive:
             self.send_request()
             parsed = self.receive_header()
         return parsed, self.stage is not None
+
+    def sent_header_only(self) -> bool:
+        """Whether the source answered a request for everything with the header alone: it made this
+        receive a member of a swarm with members already (it names the newest as ``from``)."""
+        return self.order is not None and self.order.upstream is not None
 
     def plan_data(self, header: wire.Header) -> None:
         """The chunk plan (once the header's sizes were accepted), and relaying if the source asked.
@@ -209,6 +219,10 @@ class Receive:
         stream = self.conns.first
         source = self.describe()
         messages = len(inbox.plan)
+        if inbox.duty is not None:
+            # A member on the direct path fetches every message from the source: members that come
+            # later ask the source and each other for what it has not landed yet, not for all of it.
+            inbox.duty.fetching((1 << messages) - 1)
         unacknowledged = 0
         batch = max(1, self.options.window // 2)
         for seq in range(messages):
@@ -253,6 +267,7 @@ class Receive:
         if swarm is not None:
             streams = [*streams, *self.conns.questions_to_source(streams)]
         relays = inbox.duty is not None
+        self.stats.path = "swarm" if swarm is not None else "striped"
         plan = ReceivePlanner(inbox.offsets, terms, span, self.describe(False), swarm, offset, relays)
         try:
             Owner(streams, inbox, plan, self.conns.open_peer).run()
