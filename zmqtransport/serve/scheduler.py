@@ -28,6 +28,7 @@ from .relayed_steps import RelayedSteps
 from .staged import Served, Staged
 from .swarm import Swarm
 from .transfers import Hashing, Key, Parked, Transfer, stalled, transfer_hashing
+from .uplink import Uplink
 from .withdrawn import Withdrawals
 
 # Seconds the socket owner may sleep when nothing is due, and between retries of
@@ -66,6 +67,7 @@ class Scheduler:
         self.parked: list[Parked] = []
         self.swarm = Swarm(curve)  # receivers of the staged step that offered to relay (curve: this side's own)
         self.relaying = RelayedSteps(self.limits.parked)  # steps this side relays (as a receiver)
+        self.uplink = Uplink()  # what this side delivers per receiver of its own steps: whether a swarm pays
         self._rebound_at = float("-inf")
 
     # ------------------------------------------------------------------ events
@@ -75,6 +77,7 @@ class Scheduler:
         self.staged = staged
         self.withdrawals.readers.clear()
         self.swarm.clear()
+        self.uplink.new_step()
         return self._retry_parked(now)
 
     def disallow(self, now: float, cap: int) -> tuple[int, int]:
@@ -198,6 +201,10 @@ class Scheduler:
 
     def sent(self, transfer: Transfer, now: float) -> list[Action]:
         """Data message ``transfer.next_seq`` went out."""
+        if isinstance(transfer.staged, Staged):
+            seq = transfer.next_seq
+            receivers = len({t.address for t in self.transfers.values() if isinstance(t.staged, Staged)})
+            self.uplink.sent(transfer.staged.span_bytes(seq, seq + 1), receivers, now)
         transfer.next_seq += 1
         transfer.credit -= 1
         if not transfer.done:
@@ -278,7 +285,10 @@ class Scheduler:
             return self._start_span(peer, request, address, now, staged)
         algorithm = digests.choose(request.verify)
         order = None
-        if request.relay is not None and (self.relay_loopback or not self.is_local(address)):
+        # A receiver that comes while others receive joins them only where the uplink is what bounds
+        # them (uplink.py); where this side feeds them faster than they could relay, it is served directly.
+        swarm_pays = not self.swarm.members or self.uplink.swarm_pays()
+        if request.relay is not None and (self.relay_loopback or not self.is_local(address)) and swarm_pays:
             order = self.swarm.offer(peer, request.relay, address, self.make_token(), algorithm)
         # A receiver sent to a relay gets the header alone: it asks the relay for the data.
         header_only = request.header_only or (order is not None and order.upstream is not None)
