@@ -20,6 +20,7 @@ import torch
 
 from zmqtransport import ZMQTransport, relayed
 from zmqtransport.net import choose_advertise_host, is_local_address
+from zmqtransport.serve import uplink
 
 from .conftest import TIMEOUT, Processes
 
@@ -267,28 +268,52 @@ def test_this_hosts_own_routable_address_is_local() -> None:
     assert is_local_address(own)
 
 
-def test_a_lone_receiver_takes_the_direct_path(make_transport: Any) -> None:
-    # The source has no other member receiving: it sends everything over the
-    # one connection at once (no spans, no questions, no peers).
+
+@pytest.fixture
+def quick_uplink(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source judges its uplink from the first few MiB of a step (serve/uplink.py)."""
+    monkeypatch.setattr(uplink, "WARMUP", 0)
+    monkeypatch.setattr(uplink, "MIN_BYTES", 2 * MIB)
+    monkeypatch.setattr(uplink, "MIN_SECONDS", 0.001)
+
+
+@pytest.mark.parametrize("link_bound", [False, True])
+def test_the_swarm_steps_aside_where_the_source_feeds_its_receivers_faster_than_they_relay(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch, quick_uplink: None, link_bound: bool
+) -> None:
+    # Every rate counts as link-bound, or none does (made for loopback, where every rate is the CPU's).
+    monkeypatch.setattr(uplink, "SWARM_BELOW", float("inf") if link_bound else 0.0)
+    sender = make_transport(checksum=True)
+    receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]
+    want = state()
+    # The first step is measured (nothing measured yet: the swarm engages).
+    sender.send_checkpoint([1], 1, want, TIMEOUT)
+    assert same(receivers[0].recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
+    assert receivers[0].last_recv_stats.path == "swarm"
+    sender.send_checkpoint([1, 2, 3], 2, want, TIMEOUT)
+    before = uploaded(sender)
+    results = fetch_all(receivers, sender.metadata(), 2, stagger=0.02)
+    assert all(same(got, want) for got in results), results
+    ways = [r.last_recv_stats.path for r in receivers]
+    if link_bound:
+        assert ways == ["swarm"] * 3
+        assert uploaded(sender) - before < 3 * nbytes(want)
+    else:
+        # Each fetches everything from the source over one connection: no spans, no peers.
+        assert ways == ["direct"] * 3
+        assert uploaded(sender) - before == 3 * nbytes(want)
+        assert all(list(r.last_recv_stats.paths) == [sender.metadata()] for r in receivers)
+        assert all(r.sent_bytes == 0 for r in receivers)
+
+
+def test_a_lone_receiver_takes_the_direct_path_once_the_source_is_measured_fast(
+    make_transport: Any, quick_uplink: None
+) -> None:
     sender = make_transport()
     receiver = make_transport()
-    want = state(4)
-    sender.send_checkpoint([1], 1, want, TIMEOUT)
-    got = receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
-    assert same(got, want)
-    stats = receiver.last_recv_stats
-    assert stats.path == "direct"
-    assert stats.streams == 1
-    assert uploaded(sender) == nbytes(want)
-
-
-def test_a_receiver_that_comes_while_another_receives_joins_the_swarm(make_transport: Any) -> None:
-    sender = make_transport(checksum=True)
-    receivers = [make_transport(progress=slow(0.004)) for _ in range(2)]
     want = state()
-    sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
-    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.05)
-    assert all(same(got, want) for got in results), results
-    first, second = (r.last_recv_stats for r in receivers)
-    assert first.path == "direct"  # alone when it asked
-    assert second.path == "swarm"  # the source named the first as a member
+    for step in (1, 2):
+        sender.send_checkpoint([1], step, want, TIMEOUT)
+        assert same(receiver.recv_checkpoint(0, sender.metadata(), step, TIMEOUT), want)
+    stats = receiver.last_recv_stats
+    assert stats.path == "direct" and stats.streams == 1

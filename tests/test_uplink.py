@@ -84,20 +84,22 @@ def offer(scheduler: Scheduler, peer: bytes, host: str, xfer: int = 1) -> SendHe
 
 
 @pytest.mark.parametrize("link_bound", [True, False])
-def test_a_receiver_that_comes_while_another_receives_joins_the_swarm_only_where_it_pays(link_bound: bool) -> None:
+def test_receivers_that_offer_to_relay_join_a_swarm_only_where_it_pays(link_bound: bool) -> None:
     scheduler = Scheduler(TIMEOUT)
     scheduler.stage(staged(), 1000.0)
     feed(scheduler.uplink, 20e6 if link_bound else 1e9, 2, WARMUP + 16 * MIN_BYTES)
     first = offer(scheduler, b"a", "10.0.0.1")
-    # Alone: a member, sent everything at once (the direct path; it serves later members).
-    assert first.relay is not None and first.relay.upstream is None and not first.header_only
     second = offer(scheduler, b"b", "10.0.0.2")
     if link_bound:
-        assert second.relay is not None and second.relay.peers == (("tcp://10.0.0.1:1", first.relay.token),)
-        assert second.header_only  # it fetches spans from the source and the first
+        # Members: the header alone, then spans from the source and the members they are named.
+        assert first.relay is not None and first.header_only
+        assert second.relay is not None and second.header_only
+        assert second.relay.peers == (("tcp://10.0.0.1:1", first.relay.token),)
     else:
-        assert second.relay is None and not second.header_only  # served directly, no member
-        assert [m.at for m in scheduler.swarm.members] == ["tcp://10.0.0.1:1"]
+        # Served directly: the data follows the header, and nobody is a member.
+        assert first.relay is None and not first.header_only
+        assert second.relay is None and not second.header_only
+        assert scheduler.swarm.members == []
 
 
 def test_the_source_measures_what_it_sends_of_its_own_steps() -> None:

@@ -70,6 +70,7 @@ class Receive:
         self.algorithm: digests.Algorithm | None = None
         self.duty: RelayDuty | None = None  # serving what lands to the downstream
         self.plan: list[list[wire.Piece]] = []  # the header's chunk plan: what each data message carries
+        self.pending: wire.Reply | None = None  # a reply read ahead (the direct path's first data message)
         relay_options = options.relay.options_for if options.relay is not None else None
         self.conns = Connections(context, address, options.stall_timeout, peer_options, relay_options)
 
@@ -97,6 +98,9 @@ class Receive:
 
     def _next(self, waiting_for: str, in_transfer: bool = False) -> wire.Reply:
         """The next reply of this receive on the connection in use; an error reply raises."""
+        if self.pending is not None:
+            reply, self.pending = self.pending, None
+            return reply
         stream = self.conns.first
         reply = stream.reply(self.describe())
         while reply is None:
@@ -178,18 +182,25 @@ class Receive:
         """Ask for and read the header; returns it and whether the data comes striped (in spans)."""
         offer = relay_offer(self.options, self.address)
         # A striped receive asks for the header alone, then for spans on every
-        # connection. One that only offers to relay asks for everything: a
-        # source with no other member receiving sends the data at once over this
-        # one connection (the direct path: no spans, no questions; the receive
-        # still serves what lands to members that come later), and one with
-        # members sends the header alone, naming them: the receive joins the
-        # swarm, striped.
+        # connection. One that only offers to relay asks for everything and the
+        # source decides: where a swarm pays it makes the receive a member and
+        # sends the header alone (then spans, from it and the other members);
+        # where it does not (it feeds its receivers faster than they could
+        # relay: serve/uplink.py), the data follows at once on this connection
+        # (the direct path: no spans, no questions, no second round trip).
         header_only = self.options.striped(self.address)
         self.request(header_only=header_only, keep_paths=header_only or offer is not None, offer=offer)
         parsed = self.receive_header()
-        if not header_only and not self.sent_header_only():
+        if not header_only and offer is not None:
+            reply = self._next("the data or the end of the header", in_transfer=True)
+            if reply.op != wire.OP_END:
+                self.pending = reply  # the first data message: the direct path
+                return parsed, False
+            self.conns.first.ended("the end marker")
+        elif not header_only:
             return parsed, False
-        self.receive_end()
+        else:
+            self.receive_end()
         if self.stage is None:
             # A sender that serves no span fetches: one connection, as it expects, and no relaying either.
             self.conns.drop_spare()
@@ -198,11 +209,6 @@ class Receive:
             self.send_request()
             parsed = self.receive_header()
         return parsed, self.stage is not None
-
-    def sent_header_only(self) -> bool:
-        """Whether the source answered a request for everything with the header alone: it made this
-        receive a member of a swarm with members already (it names the newest as ``from``)."""
-        return self.order is not None and self.order.upstream is not None
 
     def plan_data(self, header: wire.Header) -> None:
         """The chunk plan (once the header's sizes were accepted), and relaying if the source asked.
@@ -219,10 +225,6 @@ class Receive:
         stream = self.conns.first
         source = self.describe()
         messages = len(inbox.plan)
-        if inbox.duty is not None:
-            # A member on the direct path fetches every message from the source: members that come
-            # later ask the source and each other for what it has not landed yet, not for all of it.
-            inbox.duty.fetching((1 << messages) - 1)
         unacknowledged = 0
         batch = max(1, self.options.window // 2)
         for seq in range(messages):

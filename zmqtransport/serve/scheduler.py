@@ -285,13 +285,19 @@ class Scheduler:
             return self._start_span(peer, request, address, now, staged)
         algorithm = digests.choose(request.verify)
         order = None
-        # A receiver that comes while others receive joins them only where the uplink is what bounds
-        # them (uplink.py); where this side feeds them faster than they could relay, it is served directly.
-        swarm_pays = not self.swarm.members or self.uplink.swarm_pays()
-        if request.relay is not None and (self.relay_loopback or not self.is_local(address)) and swarm_pays:
+        # A swarm only where this side's uplink is what bounds its receivers (uplink.py); where it feeds
+        # them faster than they could relay, every receiver is served directly.
+        if (
+            request.relay is not None
+            and (self.relay_loopback or not self.is_local(address))
+            and self.uplink.swarm_pays()
+        ):
             order = self.swarm.offer(peer, request.relay, address, self.make_token(), algorithm)
-        # A receiver sent to a relay gets the header alone: it asks the relay for the data.
-        header_only = request.header_only or (order is not None and order.upstream is not None)
+        # A member that verifies fetches in spans (from this side and the members, as they come): it
+        # gets the header alone. So does one sent to a relay (an earlier release, which follows a chain).
+        header_only = request.header_only or (
+            order is not None and (order.upstream is not None or algorithm is not None)
+        )
         digest = algorithm.name if algorithm is not None else None
         header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest)
         if header_only:

@@ -48,8 +48,8 @@ MIN_SECONDS = 0.1
 class Uplink:
     """The source's delivered rate per receiver: this step's, and the judgement of the last measured one."""
 
-    def __init__(self, swarm_below: float = SWARM_BELOW) -> None:
-        self.swarm_below = swarm_below
+    def __init__(self, swarm_below: float | None = None) -> None:
+        self.swarm_below = SWARM_BELOW if swarm_below is None else swarm_below
         self.warm = 0  # bytes of this step sent before its measure started
         self.bytes = 0
         self.seconds = 0.0  # of sending
