@@ -65,6 +65,21 @@ def test_idle_time_is_not_counted() -> None:
     assert uplink.rate == pytest.approx(1e9, rel=0.05)
 
 
+def test_time_between_spans_is_not_counted() -> None:
+    # A swarm member fetches a span from the source, then from its peers for a while: the source
+    # delivers the span at its uplink's rate, and had nothing to send it meanwhile.
+    uplink = Uplink()
+    now, span = 0.0, 4
+    for _ in range((WARMUP + 16 * MIN_BYTES) // MIB // span):
+        for message in range(span):
+            now += MIB / 1e9
+            uplink.sent(MIB, 0 if message == span - 1 else 1, now)
+        now += 0.1  # busy with its peers (counted, the rate would be 40 MB/s)
+    rate = uplink.rate
+    assert rate is not None and rate > 0.9e9  # (a span's first message counts no time)
+    assert not uplink.swarm_pays()
+
+
 def test_too_little_measured_keeps_the_last_judgement() -> None:
     uplink = Uplink()
     feed(uplink, 1e9, 3, WARMUP + 32 * MIN_BYTES)

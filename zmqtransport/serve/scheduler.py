@@ -201,16 +201,19 @@ class Scheduler:
 
     def sent(self, transfer: Transfer, now: float) -> list[Action]:
         """Data message ``transfer.next_seq`` went out."""
-        if isinstance(transfer.staged, Staged):
-            seq = transfer.next_seq
-            receivers = len({t.address for t in self.transfers.values() if isinstance(t.staged, Staged)})
-            self.uplink.sent(transfer.staged.span_bytes(seq, seq + 1), receivers, now)
+        seq = transfer.next_seq
         transfer.next_seq += 1
         transfer.credit -= 1
-        if not transfer.done:
-            return []
-        self.transfers.pop(transfer.key, None)
-        return [Finish(transfer, now - transfer.started)]
+        actions: list[Action] = []
+        if transfer.done:
+            self.transfers.pop(transfer.key, None)
+            actions.append(Finish(transfer, now - transfer.started))
+        if isinstance(transfer.staged, Staged):
+            # The receivers this side still has data for, after this message (uplink.py counts
+            # the time until the next one for them, and none when there are none).
+            receivers = len({t.address for t in self.transfers.values() if isinstance(t.staged, Staged)})
+            self.uplink.sent(transfer.staged.span_bytes(seq, seq + 1), receivers, now)
+        return actions
 
     def drop(self, transfer: Transfer) -> None:
         """A data message could not be sent: the receiver is gone or ignored flow control."""

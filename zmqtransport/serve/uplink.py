@@ -12,8 +12,10 @@ receivers over unshaped links, the swarm's slowest was 2.0-2.3x slower than
 
 So the source measures, while it sends its own staged steps, the rate it
 delivers to each receiver: data bytes handed to libzmq over receiver-seconds
-(the time integral of how many receivers it was sending to; gaps longer than
-:data:`IDLE_GAP`, when it sent nothing, are not counted), from the step's
+(the time integral of how many receivers it had data to send to: a transfer
+runs from its request to its last message, waits for credit included, so a
+swarm member between two span fetches, busy with its peers, does not count;
+gaps longer than :data:`IDLE_GAP` are not counted either), from the step's
 first :data:`WARMUP` bytes on (receivers grant credit ahead, and libzmq and the
 kernel take a burst far faster than a link carries it). A receiver's share
 of an uplink that is the bottleneck falls as receivers are added; a source
@@ -30,12 +32,15 @@ Pure: the caller (the scheduler, in the serving thread) passes the time.
 from __future__ import annotations
 
 # Bytes per second per receiver from which the source feeds receivers directly:
-# 1 Gbit/s. Below it a member relays at the rate it receives at a small share of
-# one core (a relaying receiver here costs about 2-2.5 CPU-s/GiB, so 125 MB/s is
-# a quarter of a core); the lab's shaped links (400 Mbit/s, shared by every
-# receiver of the source) are far below it, its unshaped veth links (0.2-1.5
-# GB/s per receiver, CPU-bound) far above.
-SWARM_BELOW = 125_000_000
+# 500 Mbit/s. Below it a member relays at the rate it receives at a small share
+# of one core (a relaying receiver here costs about 2-2.5 CPU-s/GiB: 62.5 MB/s
+# is a seventh of a core). The lab's shaped links (400 Mbit/s, shared by every
+# receiver of the source) are below it; its unshaped veth links far above
+# (direct: 0.3-1.5 GB/s per receiver). Not higher: measured in a swarm, where
+# the members spend their CPU relaying, the source delivered only 190 MB/s per
+# receiver of three over unshaped links (each took what its CPU left), and a
+# bound near that would keep a CPU-bound swarm from stepping aside.
+SWARM_BELOW = 62_500_000
 # A silence longer than this (seconds) is idle time, not time a receiver waited for the uplink.
 IDLE_GAP = 0.25
 # Bytes of each step sent before its measure starts: a few receivers' credit windows.
@@ -65,19 +70,19 @@ class Uplink:
         self._last = None
 
     def sent(self, nbytes: int, receivers: int, now: float) -> None:
-        """``nbytes`` of the source's own step went out; ``receivers`` are being sent to now."""
+        """``nbytes`` of the source's own step went out; it has data for ``receivers`` receivers after it."""
         if self.warm < WARMUP:
             self.warm += nbytes
-            self._last, self._receivers = now, max(1, receivers)
+            self._last, self._receivers = now, receivers
             return
-        if self._last is not None:
+        if self._last is not None and self._receivers:
             gap = now - self._last
             if 0 < gap <= IDLE_GAP:
                 self.seconds += gap
                 self.receiver_seconds += gap * self._receivers
         self.bytes += nbytes
         self._last = now
-        self._receivers = max(1, receivers)
+        self._receivers = receivers
 
     @property
     def rate(self) -> float | None:
