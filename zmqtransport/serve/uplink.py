@@ -47,7 +47,7 @@ IDLE_GAP = 0.25
 WARMUP = 32 << 20
 # What a measure needs before it is believed: bytes, and seconds of sending.
 MIN_BYTES = 16 << 20
-MIN_SECONDS = 0.1
+MIN_SECONDS = 0.02
 
 
 class Uplink:
