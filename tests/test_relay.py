@@ -272,7 +272,6 @@ def test_this_hosts_own_routable_address_is_local() -> None:
 @pytest.fixture
 def quick_uplink(monkeypatch: pytest.MonkeyPatch) -> None:
     """The source judges its uplink from the first few MiB of a step (serve/uplink.py)."""
-    monkeypatch.setattr(uplink, "WARMUP", 0)
     monkeypatch.setattr(uplink, "MIN_BYTES", 2 * MIB)
     monkeypatch.setattr(uplink, "MIN_SECONDS", 0.001)
 

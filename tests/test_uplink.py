@@ -9,19 +9,21 @@ from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.serve.actions import SendHeader
 from zmqtransport.serve.scheduler import Scheduler
 from zmqtransport.serve.staged import Staged
-from zmqtransport.serve.uplink import IDLE_GAP, MIN_BYTES, SWARM_BELOW, WARMUP, Uplink
+from zmqtransport.serve.uplink import IDLE_GAP, MIN_BYTES, SWARM_BELOW, Uplink
 
-from .test_scheduler import STEP, TIMEOUT, fetch, staged
+from .test_scheduler import STEP, TIMEOUT, credit, fetch, staged
 
 MIB = 1 << 20
 
 
-def feed(uplink: Uplink, rate_per_receiver: float, receivers: int, nbytes: int, now: float = 0.0) -> float:
-    """Messages of 1 MiB from ``receivers`` receivers' transfers, each fed at ``rate_per_receiver``."""
-    gap = MIB / (rate_per_receiver * receivers)
-    for _ in range(nbytes // MIB):
-        now += gap
-        uplink.sent(MIB, receivers, now)
+def feed(uplink: Uplink, rate: float, nbytes: int, now: float = 0.0, batch: int = 8) -> float:
+    """Requests, each for ``batch`` MiB, as an uplink carrying ``rate`` bytes/s delivers them;
+    libzmq takes each batch at once."""
+    for _ in range(nbytes // (batch * MIB)):
+        uplink.requested(now)
+        uplink.sent(batch * MIB)
+        now += batch * MIB / rate
+    uplink.requested(now)
     return now
 
 
@@ -30,64 +32,47 @@ def test_nothing_measured_the_swarm_engages() -> None:
 
 
 @pytest.mark.parametrize(
-    ("rate", "receivers", "pays"),
+    ("rate", "pays"),
     [
-        (400e6 / 8 / 3, 3, True),  # a 400 Mbit/s uplink shared by three receivers
-        (400e6 / 8, 1, True),  # all of it to one
-        (SWARM_BELOW * 0.9, 2, True),
-        (SWARM_BELOW * 1.1, 2, False),
-        (1.5e9 / 3, 3, False),  # an unshaped link: the CPUs, not the uplink, bound the receivers
+        (400e6 / 8, True),  # a 400 Mbit/s uplink, however many receivers share it
+        (2 * 400e6 / 8, True),  # two such NICs
+        (SWARM_BELOW * 0.9, True),
+        (SWARM_BELOW * 1.1, False),
+        (0.8e9, False),  # unshaped: the CPUs, not the uplink, bound the receivers
     ],
 )
-def test_the_swarm_pays_where_the_uplink_gives_each_receiver_less_than_the_bound(
-    rate: float, receivers: int, pays: bool
-) -> None:
+def test_the_swarm_pays_where_the_uplink_carries_less_than_the_bound(rate: float, pays: bool) -> None:
     uplink = Uplink()
-    feed(uplink, rate, receivers, WARMUP + 16 * MIN_BYTES)
-    assert uplink.rate == pytest.approx(rate, rel=0.05)
+    feed(uplink, rate, 4 * MIN_BYTES)
+    assert uplink.rate == pytest.approx(rate, rel=0.01)
     assert uplink.swarm_pays() is pays
 
 
-def test_the_warm_up_burst_is_not_measured() -> None:
-    # Credit windows go into libzmq at once: far faster than the link carries them.
+def test_what_libzmq_takes_at_once_counts_only_once_the_next_request_pays_for_it_in_time() -> None:
     uplink = Uplink()
-    now = feed(uplink, 10e9, 1, WARMUP)
+    uplink.requested(0.0)
+    uplink.sent(MIN_BYTES)  # a burst into libzmq: no time has passed
     assert uplink.rate is None
-    feed(uplink, 20e6, 1, 2 * MIN_BYTES, now)
-    assert uplink.rate == pytest.approx(20e6, rel=0.05)
-    assert uplink.swarm_pays()
+    uplink.requested(MIN_BYTES / 50e6)  # the receiver asks again once it landed: 50 MB/s
+    assert uplink.rate == pytest.approx(50e6)
 
 
 def test_idle_time_is_not_counted() -> None:
     uplink = Uplink()
-    now = feed(uplink, 1e9, 1, WARMUP + 8 * MIN_BYTES)
-    now = feed(uplink, 1e9, 1, 8 * MIN_BYTES, now + 10 * IDLE_GAP)  # nobody asked for a while
-    assert uplink.rate == pytest.approx(1e9, rel=0.05)
-
-
-def test_time_between_spans_is_not_counted() -> None:
-    # A swarm member fetches a span from the source, then from its peers for a while: the source
-    # delivers the span at its uplink's rate, and had nothing to send it meanwhile.
-    uplink = Uplink()
-    now, span = 0.0, 4
-    for _ in range((WARMUP + 16 * MIN_BYTES) // MIB // span):
-        for message in range(span):
-            now += MIB / 1e9
-            uplink.sent(MIB, 0 if message == span - 1 else 1, now)
-        now += 0.1  # busy with its peers (counted, the rate would be 40 MB/s)
-    rate = uplink.rate
-    assert rate is not None and rate > 0.9e9  # (a span's first message counts no time)
-    assert not uplink.swarm_pays()
+    now = feed(uplink, 1e9, 2 * MIN_BYTES)
+    uplink.sent(MIN_BYTES)  # sent into libzmq, then nobody asked for a while
+    feed(uplink, 1e9, 2 * MIN_BYTES, now + 10 * IDLE_GAP)
+    assert uplink.rate == pytest.approx(1e9, rel=0.01)
 
 
 def test_too_little_measured_keeps_the_last_judgement() -> None:
     uplink = Uplink()
-    feed(uplink, 1e9, 3, WARMUP + 32 * MIN_BYTES)
+    feed(uplink, 1e9, 4 * MIN_BYTES)
     uplink.new_step()  # settles: not link-bound
     assert uplink.rate is None and uplink.judged is False
-    feed(uplink, 1e6, 3, WARMUP)  # the next step, only its warm-up so far
+    feed(uplink, 1e6, MIN_BYTES // 2)  # the next step, too little so far
     assert not uplink.swarm_pays()
-    feed(uplink, 10e6, 3, 2 * MIN_BYTES, 1e6)  # then measured link-bound
+    feed(uplink, 10e6, 2 * MIN_BYTES, 100.0)  # then measured link-bound
     assert uplink.swarm_pays()
 
 
@@ -102,7 +87,7 @@ def offer(scheduler: Scheduler, peer: bytes, host: str, xfer: int = 1) -> SendHe
 def test_receivers_that_offer_to_relay_join_a_swarm_only_where_it_pays(link_bound: bool) -> None:
     scheduler = Scheduler(TIMEOUT)
     scheduler.stage(staged(), 1000.0)
-    feed(scheduler.uplink, 20e6 if link_bound else 1e9, 2, WARMUP + 16 * MIN_BYTES)
+    scheduler.uplink.judged = link_bound  # as a measured step left it
     first = offer(scheduler, b"a", "10.0.0.1")
     second = offer(scheduler, b"b", "10.0.0.2")
     if link_bound:
@@ -117,14 +102,17 @@ def test_receivers_that_offer_to_relay_join_a_swarm_only_where_it_pays(link_boun
         assert scheduler.swarm.members == []
 
 
-def test_the_source_measures_what_it_sends_of_its_own_steps() -> None:
+def test_the_source_measures_its_steps_by_what_receivers_ask_for() -> None:
     scheduler = Scheduler(TIMEOUT)
-    messages = (WARMUP + 2 * MIN_BYTES) // MIB
+    messages = 2 * MIN_BYTES // MIB
     plan = [[wire.Piece(0, i * MIB, MIB)] for i in range(messages)]
     scheduler.stage(Staged(STEP, b"header-body", EncodedTree(skeleton=None, has_pickle=False), plan, None), 0.0)
-    scheduler.on_request(b"a", fetch(credit=messages), "10.0.0.1", 0.0)
+    scheduler.on_request(b"a", fetch(credit=16), "10.0.0.1", 0.0)
     now = 0.0
-    for transfer in scheduler.next_round() * messages:
-        now += 0.01  # 1 MiB per 10 ms: 105 MB/s
-        scheduler.sent(transfer, now)
-    assert scheduler.uplink.rate == pytest.approx(MIB / 0.01, rel=0.05)
+    for _ in range(messages // 8):
+        for transfer in scheduler.next_round() * 8:
+            scheduler.sent(transfer, now)
+        now += 8 * MIB / 100e6  # 8 MiB land at 100 MB/s: the receiver grants credit for them
+        scheduler.on_request(b"a", credit(1, 8), "10.0.0.1", now)
+    assert scheduler.uplink.rate == pytest.approx(100e6, rel=0.15)
+    assert scheduler.uplink.swarm_pays()

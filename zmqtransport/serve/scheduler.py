@@ -99,7 +99,10 @@ class Scheduler:
         key = (peer, request.xfer)
         if request.op == wire.OP_CREDIT:
             if key in self.transfers:
-                self.transfers[key].grant(request.credit, now)
+                transfer = self.transfers[key]
+                transfer.grant(request.credit, now)
+                if isinstance(transfer.staged, Staged):
+                    self.uplink.requested(now)  # what it asked for before has landed
             return []
         if request.op == wire.OP_CANCEL:
             self.transfers.pop(key, None)
@@ -134,6 +137,8 @@ class Scheduler:
                 return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")]
             self.parked.append(Parked(peer, request, now + request.wait_ms / 1000, address))
             return []
+        if request.span is not None or not request.header_only:
+            self.uplink.requested(now)
         return self._start(peer, request, address, now, parked=None)
 
     def undelivered(self, action: SendHeader | Refuse, now: float) -> None:
@@ -201,19 +206,14 @@ class Scheduler:
 
     def sent(self, transfer: Transfer, now: float) -> list[Action]:
         """Data message ``transfer.next_seq`` went out."""
-        seq = transfer.next_seq
+        if isinstance(transfer.staged, Staged):
+            self.uplink.sent(transfer.staged.span_bytes(transfer.next_seq, transfer.next_seq + 1))
         transfer.next_seq += 1
         transfer.credit -= 1
-        actions: list[Action] = []
-        if transfer.done:
-            self.transfers.pop(transfer.key, None)
-            actions.append(Finish(transfer, now - transfer.started))
-        if isinstance(transfer.staged, Staged):
-            # The receivers this side still has data for, after this message (uplink.py counts
-            # the time until the next one for them, and none when there are none).
-            receivers = len({t.address for t in self.transfers.values() if isinstance(t.staged, Staged)})
-            self.uplink.sent(transfer.staged.span_bytes(seq, seq + 1), receivers, now)
-        return actions
+        if not transfer.done:
+            return []
+        self.transfers.pop(transfer.key, None)
+        return [Finish(transfer, now - transfer.started)]
 
     def drop(self, transfer: Transfer) -> None:
         """A data message could not be sent: the receiver is gone or ignored flow control."""

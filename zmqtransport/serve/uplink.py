@@ -1,98 +1,91 @@
-"""Whether a swarm pays: the source's measure of what its uplink gives each receiver (issue 33).
+"""Whether a swarm pays: the source's measure of the rate its uplink delivers its steps at (issue 33).
 
 A swarm (docs/protocol.md, "Swarm") spares the source's uplink: it uploads
 the state about once however many receivers there are, and they exchange the
 rest. That pays where the uplink is the bottleneck. Where the source can feed
-every receiver faster than a receiver can relay, it costs: a member spends
-about 2.5 times the CPU of a direct receive per byte (it verifies what peers
-send, serves what it has landed, and runs the striped loop), so where the CPU
-is the limit, relaying makes every receiver slower (docs/fast-links.md: three
+its receivers faster than they can relay, it costs: a member spends about
+2.5 times the CPU of a direct receive per byte (it verifies what peers send,
+serves what it has landed, and runs the striped loop), so where the CPU is the
+limit relaying makes every receiver slower (docs/fast-links.md: three
 receivers over unshaped links, the swarm's slowest was 2.0-2.3x slower than
 ``relay=False``).
 
-So the source measures, while it sends its own staged steps, the rate it
-delivers to each receiver: data bytes handed to libzmq over receiver-seconds
-(the time integral of how many receivers it had data to send to: a transfer
-runs from its request to its last message, waits for credit included, so a
-swarm member between two span fetches, busy with its peers, does not count;
-gaps longer than :data:`IDLE_GAP` are not counted either), from the step's
-first :data:`WARMUP` bytes on (receivers grant credit ahead, and libzmq and the
-kernel take a burst far faster than a link carries it). A receiver's share
-of an uplink that is the bottleneck falls as receivers are added; a source
-that is not link-bound delivers at what the receivers take. Where the rate
-per receiver reaches :data:`SWARM_BELOW`, a newcomer is served directly;
-below it, it joins the swarm. The judgement comes from the step being sent
-once it has :data:`MIN_BYTES` over :data:`MIN_SECONDS` past the warm-up, otherwise from the last
-step that had, otherwise (nothing measured yet) the swarm engages, as where
-the uplink is slow it matters most.
+So the source measures, while receivers fetch its own staged steps, the rate
+its uplink carries them at: data bytes over the time receivers were asking.
+Time is counted between successive data requests of the step (a fetch, a
+span fetch, credit: a receiver asks again as what it asked for lands), not
+between sends: libzmq takes a span or a credit window far faster than any
+link carries it, and the requests follow the link. The bytes counted are
+those sent between two requests, in the time between them (what was sent
+after the latest one has not been paid for in time yet); gaps over
+:data:`IDLE_GAP` (nobody asking) count neither. Below :data:`SWARM_BELOW` the uplink bounds its
+receivers and the swarm engages; from it, every receiver is served directly.
+The judgement is the step's own once it has :data:`MIN_BYTES` over
+:data:`MIN_SECONDS`, otherwise the last such step's, otherwise (nothing
+measured yet) the swarm engages: where the uplink is slow it matters most.
 
 Pure: the caller (the scheduler, in the serving thread) passes the time.
 """
 
 from __future__ import annotations
 
-# Bytes per second per receiver from which the source feeds receivers directly:
-# 500 Mbit/s. Below it a member relays at the rate it receives at a small share
-# of one core (a relaying receiver here costs about 2-2.5 CPU-s/GiB: 62.5 MB/s
-# is a seventh of a core). The lab's shaped links (400 Mbit/s, shared by every
-# receiver of the source) are below it; its unshaped veth links far above
-# (direct: 0.3-1.5 GB/s per receiver). Not higher: measured in a swarm, where
-# the members spend their CPU relaying, the source delivered only 190 MB/s per
-# receiver of three over unshaped links (each took what its CPU left), and a
-# bound near that would keep a CPU-bound swarm from stepping aside.
-SWARM_BELOW = 62_500_000
-# A silence longer than this (seconds) is idle time, not time a receiver waited for the uplink.
-IDLE_GAP = 0.25
-# Bytes of each step sent before its measure starts: a few receivers' credit windows.
-WARMUP = 32 << 20
-# What a measure needs before it is believed: bytes, and seconds of sending.
-MIN_BYTES = 16 << 20
-MIN_SECONDS = 0.02
+# Bytes per second of the source's uplink, all receivers together, from which it
+# feeds receivers directly: 1.2 Gbit/s. In the lab, a shaped uplink carries at
+# most 50 MB/s (400 Mbit/s; 100 with two NICs), and an unshaped one 0.8-0.9
+# GB/s direct, one receiver or three, and 0.2-0.25 GB/s to a swarm of three
+# whose members spend their CPU relaying: the bound sits between with a margin
+# of 1.5 on either side, so a CPU-bound swarm steps aside and a link-bound one
+# stays. Per receiver, what a swarm member costs (2-2.5 CPU-s/GiB) at this rate
+# is a third of a core.
+SWARM_BELOW = 150_000_000
+# A silence between requests longer than this (seconds) is idle time, not transfer time (and what
+# was sent meanwhile is not counted either). Above the time a credit batch of a direct receive (8 MiB)
+# takes at 100 Mbit/s.
+IDLE_GAP = 1.0
+# What a measure needs before it is believed: bytes, and seconds of receivers asking.
+MIN_BYTES = 32 << 20
+MIN_SECONDS = 0.05
 
 
 class Uplink:
-    """The source's delivered rate per receiver: this step's, and the judgement of the last measured one."""
+    """The rate the source's uplink carries its step at: this step's, and the last believed judgement."""
 
     def __init__(self, swarm_below: float | None = None) -> None:
         self.swarm_below = SWARM_BELOW if swarm_below is None else swarm_below
-        self.warm = 0  # bytes of this step sent before its measure started
-        self.bytes = 0
-        self.seconds = 0.0  # of sending
-        self.receiver_seconds = 0.0
-        self._last: float | None = None  # when the last message went out
-        self._receivers = 0  # how many receivers were being sent to then
+        self.sent_bytes = 0  # of this step, handed to libzmq
+        self.bytes = 0  # of those, sent before the latest request
+        self.seconds = 0.0  # between requests
+        self._last: float | None = None  # the latest request
+        self._sent_then = 0  # what had been sent at the latest request
         self.judged: bool | None = None  # the last believed judgement: whether a swarm pays
 
     def new_step(self) -> None:
         """A new step is staged: a fresh measure (the last judgement stays until it has one)."""
         self._settle()
-        self.warm, self.bytes, self.seconds, self.receiver_seconds = 0, 0, 0.0, 0.0
-        self._last = None
+        self.sent_bytes, self.bytes, self.seconds, self._last, self._sent_then = 0, 0, 0.0, None, 0
 
-    def sent(self, nbytes: int, receivers: int, now: float) -> None:
-        """``nbytes`` of the source's own step went out; it has data for ``receivers`` receivers after it."""
-        if self.warm < WARMUP:
-            self.warm += nbytes
-            self._last, self._receivers = now, receivers
-            return
-        if self._last is not None and self._receivers:
+    def requested(self, now: float) -> None:
+        """A receiver asked for data of the step (a fetch, a span fetch, credit)."""
+        if self._last is not None:
             gap = now - self._last
             if 0 < gap <= IDLE_GAP:
                 self.seconds += gap
-                self.receiver_seconds += gap * self._receivers
-        self.bytes += nbytes
-        self._last = now
-        self._receivers = receivers
+                self.bytes += self.sent_bytes - self._sent_then
+        self._last, self._sent_then = now, self.sent_bytes
+
+    def sent(self, nbytes: int) -> None:
+        """``nbytes`` of the step went out (to libzmq)."""
+        self.sent_bytes += nbytes
 
     @property
     def rate(self) -> float | None:
-        """Bytes per second per receiver of this step so far (None: too little measured)."""
-        if self.bytes < MIN_BYTES or self.seconds < MIN_SECONDS or self.receiver_seconds <= 0:
+        """Bytes per second the uplink carried this step at so far (None: too little measured)."""
+        if self.bytes < MIN_BYTES or self.seconds < MIN_SECONDS:
             return None
-        return self.bytes / self.receiver_seconds
+        return self.bytes / self.seconds
 
     def swarm_pays(self) -> bool:
-        """Whether a receiver that comes while others receive should join the swarm."""
+        """Whether receivers that offer to relay should form a swarm."""
         self._settle()
         return True if self.judged is None else self.judged
 
