@@ -99,8 +99,8 @@ class Receive:
     def _next(self, waiting_for: str, in_transfer: bool = False) -> wire.Reply:
         """The next reply of this receive on the connection in use; an error reply raises."""
         if self.pending is not None:
-            reply, self.pending = self.pending, None
-            return reply
+            ahead, self.pending = self.pending, None
+            return ahead
         stream = self.conns.first
         reply = stream.reply(self.describe())
         while reply is None:
