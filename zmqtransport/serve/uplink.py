@@ -18,8 +18,9 @@ between sends: libzmq takes a span or a credit window far faster than any
 link carries it, and the requests follow the link. The bytes counted are
 those sent between two requests, in the time between them (what was sent
 after the latest one has not been paid for in time yet); gaps over
-:data:`IDLE_GAP` (nobody asking) count neither. Below :data:`SWARM_BELOW` the uplink bounds its
-receivers and the swarm engages; from it, every receiver is served directly.
+:data:`IDLE_GAP` (nobody asking) count neither. Below :data:`SWARM_BELOW`
+the uplink bounds its receivers and the swarm engages; from it, every
+receiver is served directly.
 The judgement is the step's own once it has :data:`MIN_BYTES` over
 :data:`MIN_SECONDS`, otherwise the last such step's, otherwise (nothing
 measured yet) the swarm engages: where the uplink is slow it matters most.
@@ -30,13 +31,14 @@ Pure: the caller (the scheduler, in the serving thread) passes the time.
 from __future__ import annotations
 
 # Bytes per second of the source's uplink, all receivers together, from which it
-# feeds receivers directly: 1.2 Gbit/s. In the lab, a shaped uplink carries at
-# most 50 MB/s (400 Mbit/s; 100 with two NICs), and an unshaped one 0.8-0.9
-# GB/s direct, one receiver or three, and 0.2-0.25 GB/s to a swarm of three
-# whose members spend their CPU relaying: the bound sits between with a margin
-# of 1.5 on either side, so a CPU-bound swarm steps aside and a link-bound one
-# stays. Per receiver, what a swarm member costs (2-2.5 CPU-s/GiB) at this rate
-# is a third of a core.
+# feeds receivers directly: 1.2 Gbit/s. Measured in the lab: a shaped uplink
+# carries at most 50 MB/s (400 Mbit/s; 100 with two NICs), an unshaped one
+# 0.8-2.3 GB/s to one receiver or to three direct ones. A step sent to a swarm
+# is measured at the swarm's rate, which the CPUs bound where the link does
+# not: 230 MB/s for three receivers of 256 MiB on a quiet machine, but
+# 70-140 MB/s with small steps or a loaded machine, below the bound: then the
+# swarm stays (docs/fast-links.md). Per receiver, what a swarm member costs
+# (2-2.5 CPU-s/GiB) at this rate is a third of a core.
 SWARM_BELOW = 150_000_000
 # A silence between requests longer than this (seconds) is idle time, not transfer time (and what
 # was sent meanwhile is not counted either). Above the time a credit batch of a direct receive (8 MiB)
