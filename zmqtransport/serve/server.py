@@ -110,19 +110,11 @@ class WakePipe:
         # closed (and possibly reused) descriptor must never happen.
         self._lock = threading.Lock()
         self._closed = False
-        # A wake-up written and not yet drained: further ones are not written. A relaying receive
-        # pokes per landed message, and each write hands the GIL to the serving thread and waits
-        # to get it back (docs/fast-links.md). Cleared after the drain, before the thread looks at
-        # what woke it, so whatever a skipped waker did before it looked is seen.
-        self._pending = False
         self.fd, self._write = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write, False)
 
     def wake(self) -> None:
-        if self._pending:
-            return
-        self._pending = True
         with self._lock:
             if not self._closed:
                 with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
@@ -132,7 +124,6 @@ class WakePipe:
         with contextlib.suppress(BlockingIOError):
             while os.read(self.fd, 4096):
                 pass
-        self._pending = False
 
     def close(self) -> None:
         with self._lock:
