@@ -20,6 +20,7 @@ import torch
 
 from zmqtransport import ZMQTransport, relayed
 from zmqtransport.net import choose_advertise_host, is_local_address
+from zmqtransport.serve import uplink
 
 from .conftest import TIMEOUT, Processes
 
@@ -265,3 +266,53 @@ def test_local_peer_addresses(address: str, local: bool) -> None:
 def test_this_hosts_own_routable_address_is_local() -> None:
     own = choose_advertise_host("*")
     assert is_local_address(own)
+
+
+
+@pytest.fixture
+def quick_uplink(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source judges its uplink from the first few MiB of a step (serve/uplink.py)."""
+    monkeypatch.setattr(uplink, "MIN_BYTES", 2 * MIB)
+    monkeypatch.setattr(uplink, "MIN_SECONDS", 0.001)
+
+
+@pytest.mark.parametrize("link_bound", [False, True])
+def test_the_swarm_steps_aside_where_the_source_feeds_its_receivers_faster_than_they_relay(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch, quick_uplink: None, link_bound: bool
+) -> None:
+    # Every rate counts as link-bound, or none does (made for loopback, where every rate is the CPU's).
+    monkeypatch.setattr(uplink, "SWARM_BELOW", float("inf") if link_bound else 0.0)
+    sender = make_transport(checksum=True)
+    receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]
+    want = state()
+    # The first step is measured (nothing measured yet: the swarm engages).
+    sender.send_checkpoint([1], 1, want, TIMEOUT)
+    assert same(receivers[0].recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
+    assert receivers[0].last_recv_stats.path == "swarm"
+    sender.send_checkpoint([1, 2, 3], 2, want, TIMEOUT)
+    before = uploaded(sender)
+    results = fetch_all(receivers, sender.metadata(), 2, stagger=0.02)
+    assert all(same(got, want) for got in results), results
+    ways = [r.last_recv_stats.path for r in receivers]
+    if link_bound:
+        assert ways == ["swarm"] * 3
+        assert uploaded(sender) - before < 3 * nbytes(want)
+    else:
+        # Each fetches everything from the source over one connection: no spans, no peers.
+        assert ways == ["direct"] * 3
+        assert uploaded(sender) - before == 3 * nbytes(want)
+        assert all(list(r.last_recv_stats.paths) == [sender.metadata()] for r in receivers)
+        assert all(r.sent_bytes == 0 for r in receivers)
+
+
+def test_a_lone_receiver_takes_the_direct_path_once_the_source_is_measured_fast(
+    make_transport: Any, quick_uplink: None
+) -> None:
+    sender = make_transport()
+    receiver = make_transport()
+    want = state()
+    for step in (1, 2):
+        sender.send_checkpoint([1], step, want, TIMEOUT)
+        assert same(receiver.recv_checkpoint(0, sender.metadata(), step, TIMEOUT), want)
+    stats = receiver.last_recv_stats
+    assert stats.path == "direct" and stats.streams == 1

@@ -200,9 +200,10 @@ def test_readers_are_given_the_rebind_grace_to_come_back(net: Net) -> None:
 def test_a_swarm_member_is_kept_while_its_peer_receives_and_served_from_the_copy(net: Net) -> None:
     step = staged(messages=10)
     net.execute(net.scheduler.stage(step, net.now))
-    for peer, xfer, host in ((b"head", 1, "10.0.0.1"), (b"down", 2, "10.0.0.2")):
-        # Each offers to relay at its own address and verifies what relays send: "down" is sent to "head".
-        offer = fetch(xfer=xfer, credit=2, relay=f"tcp://{host}:1", verify=("sha256",))
+    for peer, xfer, host, verify in ((b"head", 1, "10.0.0.1", ()), (b"down", 2, "10.0.0.2", ("sha256",))):
+        # Each offers to relay at its own address: "head" (which does not verify: it is sent the data at once,
+        # as the first member) and "down", which verifies what relays send and is sent to "head".
+        offer = fetch(xfer=xfer, credit=2, relay=f"tcp://{host}:1", verify=verify)
         net.execute(net.scheduler.on_request(peer, offer, host, net.now))
     net.pump()
     assert net.ops(b"down") == [("header", None), ("end", None)]

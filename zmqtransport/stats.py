@@ -29,6 +29,9 @@ class TransferStats:
     paths: dict[str, int] = field(default_factory=dict)
     streams: int = 1
     duplicate_messages: int = 0  # striped: messages that arrived twice (a span taken over); dropped
+    # Receiving side, how the data came: "direct" (one connection, the source sends it all),
+    # "striped" (spans, from the source only) or "swarm" (spans, from the source and peers).
+    path: str = "direct"
 
     @property
     def gbps(self) -> float:

@@ -333,6 +333,7 @@ class ReceiverProcess:
             "resettable": meter.resettable,
             "paths": stats.get("paths", {}),
             "duplicates": stats.get("duplicates", 0),
+            "way": stats.get("way", ""),
             "timeline": self.timeline.sampled() if self.timeline is not None else [],
         }
 

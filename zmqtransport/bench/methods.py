@@ -369,11 +369,12 @@ class _TransportReceiving:
         return self.env.layout.tensors_in(result)
 
     def stats(self) -> dict[str, Any]:
-        """ZMQTransport's receive stats: bytes per path, connections, duplicates dropped."""
+        """ZMQTransport's receive stats: bytes per path, connections, duplicates dropped, how the data came."""
         stats = getattr(self.transport, "last_recv_stats", None)
         if stats is None:
             return {}
-        return {"paths": dict(stats.paths), "streams": stats.streams, "duplicates": stats.duplicate_messages}
+        paths, duplicates = dict(stats.paths), stats.duplicate_messages
+        return {"paths": paths, "streams": stats.streams, "duplicates": duplicates, "way": stats.path}
 
     def close(self) -> None:
         self.transport.shutdown(wait=False)

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -241,6 +242,8 @@ class Trial:
     send_cpu: float = 0.0
     # scenario.profiling: per process ("source", "r1"...), where its CPU went (see profiling).
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per receiver: how ZMQTransport's data came (TransferStats.path: "direct", "striped", "swarm"; "" others).
+    recv_ways: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -259,6 +262,8 @@ class MethodSummary:
     recv_cpu_s: float = 0.0  # median over trials of the busiest receiver's CPU seconds (all its threads)
     recv_paths: dict[str, int] = field(default_factory=dict)  # median bytes per path address, all receivers
     duplicates: int = 0  # most duplicate data messages in one trial, all receivers together
+    # Receives by how their data came ("direct", "striped", "swarm"), all trials together (ZMQTransport only).
+    ways: dict[str, int] = field(default_factory=dict)
     cut_s: float | None = None  # median time of the cut (CutMethod)
     ratios: dict[str, float] = field(default_factory=dict)
     # CPU seconds per GiB moved (medians over trials): each receiver's process per GiB it received (the
@@ -376,6 +381,7 @@ class _Run:
             [usage["cpu"] for usage in recv_usage],
             send_usage["cpu"],
             _profiles(send_usage, recv_usage, [r for r, runs in enumerate(replies, start=1) if runs is not None]),
+            [o.get("way", "") for o in cold],
         )
 
     @contextlib.contextmanager
@@ -544,6 +550,7 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             recv_cpu_s=statistics.median(max(t.recv_cpu, default=0.0) for t in mine),
             recv_paths=_median_paths(mine),
             duplicates=max(sum(t.duplicates) for t in mine),
+            ways=dict(Counter(way for t in mine for way in t.recv_ways if way)),
             cut_s=_median_or_none([t.cut_s for t in mine]),
             **_cpu_summary(scenario.total_bytes * (2 if scenario.warm else 1), mine),
             **_disallow_summary(mine),

@@ -70,6 +70,7 @@ class Receive:
         self.algorithm: digests.Algorithm | None = None
         self.duty: RelayDuty | None = None  # serving what lands to the downstream
         self.plan: list[list[wire.Piece]] = []  # the header's chunk plan: what each data message carries
+        self.pending: wire.Reply | None = None  # a reply read ahead (the direct path's first data message)
         relay_options = options.relay.options_for if options.relay is not None else None
         self.conns = Connections(context, address, options.stall_timeout, peer_options, relay_options)
 
@@ -97,6 +98,9 @@ class Receive:
 
     def _next(self, waiting_for: str, in_transfer: bool = False) -> wire.Reply:
         """The next reply of this receive on the connection in use; an error reply raises."""
+        if self.pending is not None:
+            ahead, self.pending = self.pending, None
+            return ahead
         stream = self.conns.first
         reply = stream.reply(self.describe())
         while reply is None:
@@ -177,14 +181,26 @@ class Receive:
     def header_phase(self) -> tuple[landing.ParsedHeader, bool]:
         """Ask for and read the header; returns it and whether the data comes striped (in spans)."""
         offer = relay_offer(self.options, self.address)
-        # A striped receive, and one that may join a swarm, asks for the header
-        # alone, then for spans on every connection.
-        stripe = self.options.striped(self.address) or offer is not None
-        self.request(header_only=stripe, keep_paths=stripe, offer=offer)
+        # A striped receive asks for the header alone, then for spans on every
+        # connection. One that only offers to relay asks for everything and the
+        # source decides: where a swarm pays it makes the receive a member and
+        # sends the header alone (then spans, from it and the other members);
+        # where it does not (it feeds its receivers faster than they could
+        # relay: serve/uplink.py), the data follows at once on this connection
+        # (the direct path: no spans, no questions, no second round trip).
+        header_only = self.options.striped(self.address)
+        self.request(header_only=header_only, keep_paths=header_only or offer is not None, offer=offer)
         parsed = self.receive_header()
-        if not stripe:
+        if not header_only and offer is not None:
+            reply = self._next("the data or the end of the header", in_transfer=True)
+            if reply.op != wire.OP_END:
+                self.pending = reply  # the first data message: the direct path
+                return parsed, False
+            self.conns.first.ended("the end marker")
+        elif not header_only:
             return parsed, False
-        self.receive_end()
+        else:
+            self.receive_end()
         if self.stage is None:
             # A sender that serves no span fetches: one connection, as it expects, and no relaying either.
             self.conns.drop_spare()
@@ -253,6 +269,7 @@ class Receive:
         if swarm is not None:
             streams = [*streams, *self.conns.questions_to_source(streams)]
         relays = inbox.duty is not None
+        self.stats.path = "swarm" if swarm is not None else "striped"
         plan = ReceivePlanner(inbox.offsets, terms, span, self.describe(False), swarm, offset, relays)
         try:
             Owner(streams, inbox, plan, self.conns.open_peer).run()

@@ -28,6 +28,7 @@ from .relayed_steps import RelayedSteps
 from .staged import Served, Staged
 from .swarm import Swarm
 from .transfers import Hashing, Key, Parked, Transfer, stalled, transfer_hashing
+from .uplink import Uplink
 from .withdrawn import Withdrawals
 
 # Seconds the socket owner may sleep when nothing is due, and between retries of
@@ -66,6 +67,7 @@ class Scheduler:
         self.parked: list[Parked] = []
         self.swarm = Swarm(curve)  # receivers of the staged step that offered to relay (curve: this side's own)
         self.relaying = RelayedSteps(self.limits.parked)  # steps this side relays (as a receiver)
+        self.uplink = Uplink()  # what this side delivers per receiver of its own steps: whether a swarm pays
         self._rebound_at = float("-inf")
 
     # ------------------------------------------------------------------ events
@@ -75,6 +77,7 @@ class Scheduler:
         self.staged = staged
         self.withdrawals.readers.clear()
         self.swarm.clear()
+        self.uplink.new_step()
         return self._retry_parked(now)
 
     def disallow(self, now: float, cap: int) -> tuple[int, int]:
@@ -96,7 +99,10 @@ class Scheduler:
         key = (peer, request.xfer)
         if request.op == wire.OP_CREDIT:
             if key in self.transfers:
-                self.transfers[key].grant(request.credit, now)
+                transfer = self.transfers[key]
+                transfer.grant(request.credit, now)
+                if isinstance(transfer.staged, Staged):
+                    self.uplink.requested(now)  # what it asked for before has landed
             return []
         if request.op == wire.OP_CANCEL:
             self.transfers.pop(key, None)
@@ -131,6 +137,8 @@ class Scheduler:
                 return [Refuse(peer, request.xfer, wire.ERR_BUSY, "too many waiting requests")]
             self.parked.append(Parked(peer, request, now + request.wait_ms / 1000, address))
             return []
+        if request.span is not None or not request.header_only:
+            self.uplink.requested(now)
         return self._start(peer, request, address, now, parked=None)
 
     def undelivered(self, action: SendHeader | Refuse, now: float) -> None:
@@ -198,6 +206,8 @@ class Scheduler:
 
     def sent(self, transfer: Transfer, now: float) -> list[Action]:
         """Data message ``transfer.next_seq`` went out."""
+        if isinstance(transfer.staged, Staged):
+            self.uplink.sent(transfer.staged.span_bytes(transfer.next_seq, transfer.next_seq + 1))
         transfer.next_seq += 1
         transfer.credit -= 1
         if not transfer.done:
@@ -278,10 +288,19 @@ class Scheduler:
             return self._start_span(peer, request, address, now, staged)
         algorithm = digests.choose(request.verify)
         order = None
-        if request.relay is not None and (self.relay_loopback or not self.is_local(address)):
+        # A swarm only where this side's uplink is what bounds its receivers (uplink.py); where it feeds
+        # them faster than they could relay, every receiver is served directly.
+        if (
+            request.relay is not None
+            and (self.relay_loopback or not self.is_local(address))
+            and self.uplink.swarm_pays()
+        ):
             order = self.swarm.offer(peer, request.relay, address, self.make_token(), algorithm)
-        # A receiver sent to a relay gets the header alone: it asks the relay for the data.
-        header_only = request.header_only or (order is not None and order.upstream is not None)
+        # A member that verifies fetches in spans (from this side and the members, as they come): it
+        # gets the header alone. So does one sent to a relay (an earlier release, which follows a chain).
+        header_only = request.header_only or (
+            order is not None and (order.upstream is not None or algorithm is not None)
+        )
         digest = algorithm.name if algorithm is not None else None
         header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest)
         if header_only:

@@ -1,0 +1,97 @@
+"""Whether a swarm pays: the source's measure of the rate its uplink delivers its steps at (issue 33).
+
+A swarm (docs/protocol.md, "Swarm") spares the source's uplink: it uploads
+the state about once however many receivers there are, and they exchange the
+rest. That pays where the uplink is the bottleneck. Where the source can feed
+its receivers faster than they can relay, it costs: a member spends about
+2.5 times the CPU of a direct receive per byte (it verifies what peers send,
+serves what it has landed, and runs the striped loop), so where the CPU is the
+limit relaying makes every receiver slower (docs/fast-links.md: three
+receivers over unshaped links, the swarm's slowest was 2.0-2.3x slower than
+``relay=False``).
+
+So the source measures, while receivers fetch its own staged steps, the rate
+its uplink carries them at: data bytes over the time receivers were asking.
+Time is counted between successive data requests of the step (a fetch, a
+span fetch, credit: a receiver asks again as what it asked for lands), not
+between sends: libzmq takes a span or a credit window far faster than any
+link carries it, and the requests follow the link. The bytes counted are
+those sent between two requests, in the time between them (what was sent
+after the latest one has not been paid for in time yet); gaps over
+:data:`IDLE_GAP` (nobody asking) count neither. Below :data:`SWARM_BELOW`
+the uplink bounds its receivers and the swarm engages; from it, every
+receiver is served directly.
+The judgement is the step's own once it has :data:`MIN_BYTES` over
+:data:`MIN_SECONDS`, otherwise the last such step's, otherwise (nothing
+measured yet) the swarm engages: where the uplink is slow it matters most.
+
+Pure: the caller (the scheduler, in the serving thread) passes the time.
+"""
+
+from __future__ import annotations
+
+# Bytes per second of the source's uplink, all receivers together, from which it
+# feeds receivers directly: 1.2 Gbit/s. Measured in the lab: a shaped uplink
+# carries at most 50 MB/s (400 Mbit/s; 100 with two NICs), an unshaped one
+# 0.8-2.3 GB/s to one receiver or to three direct ones. A step sent to a swarm
+# is measured at the swarm's rate, which the CPUs bound where the link does
+# not: 230 MB/s for three receivers of 256 MiB on a quiet machine, but
+# 70-140 MB/s with small steps or a loaded machine, below the bound: then the
+# swarm stays (docs/fast-links.md). Per receiver, what a swarm member costs
+# (2-2.5 CPU-s/GiB) at this rate is a third of a core.
+SWARM_BELOW = 150_000_000
+# A silence between requests longer than this (seconds) is idle time, not transfer time (and what
+# was sent meanwhile is not counted either). Above the time a credit batch of a direct receive (8 MiB)
+# takes at 100 Mbit/s.
+IDLE_GAP = 1.0
+# What a measure needs before it is believed: bytes, and seconds of receivers asking.
+MIN_BYTES = 32 << 20
+MIN_SECONDS = 0.05
+
+
+class Uplink:
+    """The rate the source's uplink carries its step at: this step's, and the last believed judgement."""
+
+    def __init__(self, swarm_below: float | None = None) -> None:
+        self.swarm_below = SWARM_BELOW if swarm_below is None else swarm_below
+        self.sent_bytes = 0  # of this step, handed to libzmq
+        self.bytes = 0  # of those, sent before the latest request
+        self.seconds = 0.0  # between requests
+        self._last: float | None = None  # the latest request
+        self._sent_then = 0  # what had been sent at the latest request
+        self.judged: bool | None = None  # the last believed judgement: whether a swarm pays
+
+    def new_step(self) -> None:
+        """A new step is staged: a fresh measure (the last judgement stays until it has one)."""
+        self._settle()
+        self.sent_bytes, self.bytes, self.seconds, self._last, self._sent_then = 0, 0, 0.0, None, 0
+
+    def requested(self, now: float) -> None:
+        """A receiver asked for data of the step (a fetch, a span fetch, credit)."""
+        if self._last is not None:
+            gap = now - self._last
+            if 0 < gap <= IDLE_GAP:
+                self.seconds += gap
+                self.bytes += self.sent_bytes - self._sent_then
+        self._last, self._sent_then = now, self.sent_bytes
+
+    def sent(self, nbytes: int) -> None:
+        """``nbytes`` of the step went out (to libzmq)."""
+        self.sent_bytes += nbytes
+
+    @property
+    def rate(self) -> float | None:
+        """Bytes per second the uplink carried this step at so far (None: too little measured)."""
+        if self.bytes < MIN_BYTES or self.seconds < MIN_SECONDS:
+            return None
+        return self.bytes / self.seconds
+
+    def swarm_pays(self) -> bool:
+        """Whether receivers that offer to relay should form a swarm."""
+        self._settle()
+        return True if self.judged is None else self.judged
+
+    def _settle(self) -> None:
+        rate = self.rate
+        if rate is not None:
+            self.judged = rate < self.swarm_below
