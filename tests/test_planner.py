@@ -17,6 +17,7 @@ import pytest
 
 from zmqtransport import digests, wire
 from zmqtransport.errors import ConnectionLostError, ProtocolError, RemoteError, StalledError
+from zmqtransport.fetch.backoff import BUSY_FIRST
 from zmqtransport.fetch.claims import CLAIM_FLOOR, DROP_AFTER
 from zmqtransport.fetch.liveness import CONNECT_BOUND, RECONNECT_GRACE
 from zmqtransport.fetch.planner import (
@@ -584,3 +585,61 @@ def test_nothing_a_peer_sends_fails_the_receive(fault: str) -> None:
     assert net.failed == []  # the planner decided to drop the peer, never to fail the receive
     assert peer in net.closed and net.plan.peers is not None and net.plan.peers.dropped(peer)
     finish_from_source(net)
+
+
+# ----------------------------------------------------------------------------- a busy source
+
+
+def test_a_busy_source_is_asked_again_after_a_backoff_and_peers_serve_meanwhile() -> None:
+    """``busy`` is the source's limits reached for now (64 members of a swarm reach them as a matter of
+    course): the span goes to a peer that holds it, the source gets no span until the backoff ends, then
+    the rest; the receive completes. The source's other refusals still fail it (the test above)."""
+    net = planner(messages=8, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
+    net.carry_out(net.plan.start())
+    source, peer = net.add(), net.add(1, PEER_TOKEN)
+    net.tick()
+    have(net, peer, 0x0F)  # messages 0..3
+    [refused, *others] = net.spans(source)
+    assert (refused.first, refused.stop) == (0, 1)
+    net.answer(source, wire.error_reply(refused.xfer, wire.ERR_BUSY, "too many concurrent transfers"))
+    assert net.failed == [] and net.spans(source) == []  # the source's spans are cancelled: it is resting
+    assert [r.xfer for r in net.requests(source, wire.OP_CANCEL)] == [refused.xfer, *(s.xfer for s in others)]
+    net.tick(0.002)
+    assert net.spans(source) == []  # within BUSY_FIRST (half of it at the least) the source gets no span
+    assert [(s.first, s.stop) for s in net.spans(peer)] == [(0, 4)]  # the peer serves what it holds meanwhile
+    assert net.plan.wake_at(net.now) <= BUSY_FIRST  # and the owner is woken when the rest ends
+    net.tick(0.001 + BUSY_FIRST)
+    assert [(s.first, s.stop) for s in net.spans(source)] == [(4, 5), (5, 6)]  # asked again
+    digests_of(net)
+    net.serve(peer, net.spans(peer)[0])
+    finish_from_source(net)
+    assert net.failed == []
+
+
+def test_a_busy_answer_to_a_claim_or_a_digest_request_is_asked_again_not_given_up_on() -> None:
+    net = planner(swarm=Swarm(OWN))
+    net.carry_out(net.plan.start())
+    questions = net.add(questions=True)
+    net.add()
+    net.tick()
+    [asked] = net.requests(questions, wire.OP_HAVE)
+    net.answer(questions, wire.error_reply(asked.xfer, wire.ERR_BUSY, "too many waiting requests"))
+    assert net.plan.book.reserved.open  # it still claims: the source was busy, not a source without claims
+    net.tick(0.001)
+    assert len(net.requests(questions, wire.OP_HAVE)) == 1  # not before the backoff ends
+    net.tick(BUSY_FIRST + 0.001)
+    [_, again] = net.requests(questions, wire.OP_HAVE)
+    assert again.claim == CLAIM_MESSAGES
+    net.answer(questions, wire.have_reply(again.xfer, None, 0, claimed=(0, 4)))
+    assert net.plan.book.reserved.bits == 0xF
+    # A digest request refused busy: asked again after the backoff; the peers stay.
+    net = with_a_peer()
+    [request] = net.plan.registry.of(DigestRequest)
+    net.answer(request.stream, wire.error_reply(request.xfer, wire.ERR_BUSY, "too many digest requests"))
+    assert net.plan.digests is not None and 1 not in net.closed
+    net.tick(0.002)
+    assert list(net.plan.registry.of(DigestRequest)) == []
+    net.tick(0.002 + BUSY_FIRST)
+    assert list(net.plan.registry.of(DigestRequest))
+    finish_from_source(net)
+    assert net.failed == []

@@ -75,6 +75,7 @@ class Peers:
         self._next_ask: dict[int, float] = {}
         self._dropped: set[int] = set()
         self._known = list(known)
+        self.source_from = -math.inf  # the source is asked nothing before (it said ``busy``: fetch/backoff.py)
 
     def learn(self, members: Sequence[wire.Peer] = ()) -> list[NewPeer]:
         """Members the source named (and those of the relay order, the first time): the ones that are new,
@@ -128,7 +129,7 @@ class Peers:
                 continue
             if peer == SOURCE:
                 if self.own_token is not None:
-                    turns[SOURCE] = -math.inf if claim else self._next_ask.get(SOURCE, -math.inf)
+                    turns[SOURCE] = max(self.source_from, -math.inf if claim else self._next_ask.get(SOURCE, -math.inf))
                 continue
             turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
         return turns

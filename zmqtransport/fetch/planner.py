@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from .. import wire
 from ..errors import ProtocolError
+from .backoff import Backoff
 from .liveness import CONNECT_BOUND, RECONNECT_GRACE, SETTLE_AFTER_LOSS, Wait, failure
 from .peers import NewPeer, Peers
 from .registry import CANCELLED, FORGOTTEN, KEEPALIVE, Question, Registry
@@ -252,6 +253,7 @@ class Outgoing:
         self._ahead_from = 0  # messages before this one were read ahead, known or asked
         self._questions = 0  # questions asked so far (which connection to the source asks next)
         self._to_source = -math.inf  # when a request last went to the source
+        self.backoff = Backoff()  # when the source may be asked again what it refused ``busy``
 
     def due(self, now: float) -> list[Action]:
         """Every request due now (each one registered as it is made)."""
@@ -392,8 +394,8 @@ class Outgoing:
         plan, book = self.plan, self.plan.digests
         assert book is not None
         index = self._digest_stream()
-        if index is None:
-            return []  # none is connected yet (or left: the receive then drops its relays)
+        if index is None or self.backoff.holds("digests", now):
+            return []  # none is connected yet (or left: the receive then drops its relays), or the source is busy
         relayed = [span for span in plan.registry.of(Span) if plan.lanes[span.stream].token is not None]
         runs = [run for span in relayed for run in book.wanted(span.first, span.stop)]
         runs += book.unverified_wanted()
@@ -448,6 +450,36 @@ class Outgoing:
             self.reads_ahead = False
             return False
         return True
+
+    def source_busy(self, stream: int, xfer: int | None, now: float) -> list[Span]:
+        """The source refused request ``xfer`` on ``stream`` as ``busy`` (at its limits for now): it is asked
+        again after a backoff (:mod:`.backoff`), and meanwhile peers serve what they hold. Returns the spans
+        to cancel: a refused span fetch gives the source a rest from this receive's spans (those of ``stream``
+        go to the others at once, and no stream to the source is given a span until the backoff ends)."""
+        plan = self.plan
+        if plan.registry.get(xfer, Span) is not None:
+            self.backoff.refused("spans", xfer, now)
+            return plan.book.interrupted(stream)
+        request = plan.registry.get(xfer, DigestRequest)
+        if request is not None and plan.digests is not None:
+            self.backoff.refused("digests", xfer, now)
+            plan.digests.withdraw(request.xfer)  # asked again once the backoff ends
+            if request.ahead:
+                self._ahead_from = min(self._ahead_from, request.first)
+        question = plan.peers.question(xfer) if plan.peers is not None else None
+        if question is not None and plan.peers is not None:
+            plan.registry.pop(question.xfer)  # no answer comes: asked again (a claim too) once the backoff ends
+            plan.peers.source_from = self.backoff.refused("questions", xfer, now)
+        return []
+
+    def resting(self, lane: Lane, now: float) -> bool:
+        """Whether ``lane`` is a stream to the source given no span now: the source said ``busy``."""
+        return lane.token is None and self.backoff.holds("spans", now)
+
+    def resume_at(self, now: float) -> float:
+        """When the streams to the source get spans again after a ``busy`` (inf: they are not resting)."""
+        until = self.backoff.until("spans")
+        return until if until > now else math.inf
 
     def undelivered(self, send: Send) -> bool:
         """``send`` did not go out (its stream takes no more now): its request is forgotten. Returns
@@ -550,7 +582,7 @@ class ReceivePlanner:
     def wake_at(self, now: float) -> float:
         """When :meth:`tick` is next due, if no reply comes sooner."""
         takeover, question = self.book.next_takeover_at(now), self.out.next_question_at()
-        return min(self.terms.deadline, now + CHECK_EVERY, takeover, question)
+        return min(self.terms.deadline, now + CHECK_EVERY, takeover, question, self.out.resume_at(now))
 
     def undelivered(self, send: Send) -> list[Action]:
         """``send`` did not go out: its stream takes no more requests now."""
@@ -594,7 +626,7 @@ class ReceivePlanner:
             if not lane.established and now - lane.added >= CONNECT_BOUND and lane.peer == SOURCE:
                 actions += self._drop(index, "did not connect")
                 continue
-            self.book.connected(index, lane.established and lane.lost_at is None)
+            self.book.connected(index, lane.established and lane.lost_at is None and not self.out.resting(lane, now))
             owed = [span for span in self.book.outstanding(index) if not span.finished]
             silent = now - min(self.book.silent_since(s) for s in owed) if owed else 0.0
             stall = self.terms.stall_timeout
@@ -635,7 +667,7 @@ class ReceivePlanner:
         if op == wire.OP_HAVE and not reply.more:
             return self.out.on_have(self.lanes[stream], reply, who, now)
         if op == wire.OP_ERROR:
-            return [Discard(stream), *self._on_error(stream, reply, who)]
+            return [Discard(stream), *self._on_error(stream, reply, who, now)]
         if op == wire.OP_DIGESTS and not reply.more and self.lanes[stream].token is None and self.digests is not None:
             try:  # the source's digests: verdicts on the relayed messages that waited for them
                 return self._judge(self.out.digests_answered(reply, now))
@@ -680,7 +712,7 @@ class ReceivePlanner:
             return [Discard(stream)]
         return [Receive(stream, reply, relayed)]
 
-    def _on_error(self, stream: int, reply: wire.Reply, who: str) -> list[Action]:
+    def _on_error(self, stream: int, reply: wire.Reply, who: str, now: float) -> list[Action]:
         xfer, lane = reply.xfer, self.lanes[stream]
         if self.registry.settled_as(xfer) is not None:
             return []  # a sign of life the source does not answer (an earlier release), or a request given up on
@@ -689,6 +721,8 @@ class ReceivePlanner:
             stopped = reply.code == wire.ERR_NOT_RELAYING  # it stopped serving: routine at the end of its tail
             why = f"error reply [{reply.code}] {reply.text}"
             return self._drop_peer(lane.peer, why, logging.INFO if stopped else None, believed=stopped)
+        if reply.code == wire.ERR_BUSY:  # at its limits for now: asked again later (fetch/backoff.py)
+            return self._cancel(self.out.source_busy(stream, xfer, now))
         refused = self.out.digests_refused(xfer)
         if refused is not None:  # nothing peers send can be checked, or only reading ahead stops
             why = f"the source refused the digests: [{reply.code}] {reply.text}"
