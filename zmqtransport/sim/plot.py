@@ -73,10 +73,18 @@ def draw(
                   color="C2", markersize=8, label="model on the lab's 2 shared cores")
     if lab:
         axes.plot([n for n, _ in lab], [r for _, r in lab], "s", color="C1", markersize=7,
-                  label="lab (64 MiB, 400 Mbit/s, all processes on 2 shared cores)")
+                  label="lab (400 Mbit/s, 64 MiB; 15 and up 16 MiB; all on 2 shared cores)")
     axes.set_xscale("log", base=2)
     axes.set_yscale("log", base=2)
-    axes.set_xticks(every, [str(n) for n in every])
+    ticks: list[int] = []
+    for n in every:  # a tick per N, but none crowding the previous one (15 beside 16)
+        if not ticks or n / ticks[-1] > 1.2:
+            ticks.append(n)
+    axes.set_xticks(ticks, [str(n) for n in ticks])
+    top = max([*(m["slowest_over_ideal"] for m in done), *(r for _, r in lab), *every, 1.0])
+    levels = [2**k for k in range(0, 12) if 2**k <= 2 * top]
+    axes.set_yticks(levels, [f"{v:g}x" for v in levels])
+    axes.minorticks_off()
     axes.set_xlabel("receivers N (one source, equal links)")
     axes.set_ylabel("slowest receiver / ideal")
     axes.set_title(title, fontsize=10)
