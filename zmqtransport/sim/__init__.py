@@ -9,4 +9,6 @@ messages that the real :class:`~zmqtransport.fetch.planner.ReceivePlanner`
 * :mod:`.loop`: the event loop (a clock and a heap).
 * :mod:`.nodes`: the glue: planner and scheduler actions become simulated messages.
 * :mod:`.cli`: ``python -m zmqtransport.sim``.
+* :mod:`.validation`: the lab's scenarios and the model's side of them (issue 35, item 2).
+* :mod:`.plot`, :mod:`.sweep`: ``--plot``, the slowest receiver over ideal against N.
 """

@@ -1,5 +1,6 @@
 import sys
 
 from .cli import main
+from .sweep import plot_command
 
-sys.exit(main())
+sys.exit(main(plot=plot_command))

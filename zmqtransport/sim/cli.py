@@ -8,7 +8,8 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from .. import wire
@@ -36,9 +37,12 @@ def staged_state(mib: float) -> Staged:
 STEP_0 = 0
 
 
-def host(name: str, mbit: float, latency: float, cores: model.Cores) -> model.Host:
+def host(name: str, mbit: float, latency: float, cores: model.Cores, tbf: bool = False) -> model.Host:
+    """``tbf``: the link is a tbf-shaped veth of the lab, whose kernel costs CPU per byte (sim/model.py)."""
     bps = mbit * 1e6
-    return model.Host(name, model.Link(bps), model.Link(bps), latency, cores)
+    up = model.Link(bps, cpu_per_byte=model.TBF_SEND_PER_BYTE if tbf else 0.0, cores=cores)
+    down = model.Link(bps, cpu_per_byte=model.TBF_RECV_PER_BYTE if tbf else 0.0, cores=cores)
+    return model.Host(name, up, down, latency, cores)
 
 
 def simulate(
@@ -54,12 +58,24 @@ def simulate(
     shared_cores: int = 0,
     relay: bool = True,
     source_transfers: int | None = None,
+    *,
+    slow_ranks: tuple[int, ...] | None = None,
+    killed_ranks: tuple[int, ...] | None = None,
+    kill_at: float = 0.4,
+    lead: dict[int, float] | None = None,
+    tbf: bool = False,
 ) -> dict[str, Any]:
     """One job start: a source and ``receivers`` receivers starting together. Returns the figures.
 
     ``cores``: cores per process (1: a receive's Python work holds the GIL); ``shared_cores``: all the
     processes share that many (the lab: one machine), instead. ``source_transfers``: the source's
     ``Limits.transfers`` (None: the default), to see a design with another limit.
+
+    The lab's scenarios name their receivers (sim/validation.py): ``slow_ranks`` and ``killed_ranks``
+    (0-based) replace the seed's draw of who is slow and who dies (``kill_at``: after that fraction of its
+    messages); ``lead``: receiver -> seconds it asks before the others (the benchmark's ``lead_s``). Each
+    row's ``own_seconds`` is its time from its own start, as the lab's receivers time themselves. ``tbf``:
+    every link is one of the lab's tbf-shaped veths, which cost the kernel CPU per byte (sim/model.py).
     """
     rng = random.Random(seed)  # noqa: S311 (a model's draws, reproducible by seed; nothing secret)
     loop, started = Loop(), time.monotonic()
@@ -71,28 +87,36 @@ def simulate(
 
     staged = staged_state(mib)
     state_bytes = wire.plan_bytes(staged.plan)
-    source_host = host("10.0.0.1", rate_mbit, latency, cores_for())
+    source_host = host("10.0.0.1", rate_mbit, latency, cores_for(), tbf)
     limits = Limits() if source_transfers is None else Limits(transfers=source_transfers)
     source = Server(net, source_host, Scheduler(TIMEOUT, STALL, limits, is_local=lambda _: False), staged)
     order = list(range(receivers))
     rng.shuffle(order)  # who is slow, who dies, who lies: drawn by the seed
     slow = set(order[: receivers // 4]) if mixed else set()
     killed = set(order[receivers // 4 : receivers // 4 + round(kill * receivers)])
+    if slow_ranks is not None:
+        slow = set(slow_ranks)
+    if killed_ranks is not None:
+        killed = set(killed_ranks)
+    lead = lead or {}
+    later = max(lead.values(), default=0.0)
     lying = set(order[-liars:]) if liars else set()
     directory: dict[str, Server] = {}
     members: list[Member] = []
     for i in range(receivers):
         name = f"10.1.{i // 250}.{i % 250 + 1}"
-        h = host(name, rate_mbit / 4 if i in slow else rate_mbit, latency, cores_for())
+        h = host(name, rate_mbit / 4 if i in slow else rate_mbit, latency, cores_for(), tbf)
         server = None
         if relay:
             server = Server(net, h, Scheduler(TIMEOUT, STALL, is_local=lambda _: False), None, liar=i in lying)
             directory[name] = server
-        members.append(Member(net, h, source, directory, server, kill_at=0.4 if i in killed else None))
-    for member in members:
+        members.append(Member(net, h, source, directory, server, kill_at=kill_at if i in killed else None))
+    starts: list[float] = []
+    for i, member in enumerate(members):
         member.others = members
         # Requests reach the source in some order within a millisecond (torchft starts them together).
-        loop.at(rng.random() * 1e-3, member.start)
+        starts.append(later - lead.get(i, 0.0) + rng.random() * 1e-3)
+        loop.at(starts[-1], member.start)
     loop.run(TIMEOUT, lambda: all(m.finished for m in members))
     truth = {seq: content(seq) for seq in range(staged.messages)}
     rows: list[dict[str, Any]] = []
@@ -104,6 +128,7 @@ def simulate(
             "receiver": i,
             "mbit": member.host.down.bps / 1e6,
             "seconds": out.done_at,
+            "own_seconds": None if out.done_at is None else out.done_at - starts[i],
             "over_ideal": None if out.done_at is None else out.done_at / ideal,
             "bit_exact": bit_exact,
             "killed": out.killed,
@@ -143,9 +168,15 @@ def simulate(
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+PLOT_RECEIVERS = (1, 3, 7, 11, 16, 32, 64)
+PlotCommand = Callable[[argparse.Namespace, argparse.ArgumentParser], int]
+
+
+def main(argv: Sequence[str] | None = None, plot: PlotCommand | None = None) -> int:
+    """``plot``: what ``--plot`` runs (sim/sweep.py; passed in by ``__main__``, which imports both, since the
+    sweep runs :func:`simulate` and this module must not import it back)."""
     parser = argparse.ArgumentParser(prog="python -m zmqtransport.sim", description=__doc__)
-    parser.add_argument("--receivers", type=int, required=True)
+    parser.add_argument("--receivers", type=int, help="N (required unless --plot)")
     parser.add_argument("--mib", type=float, default=256.0, help="state size (MiB, as 4 MiB tensors)")
     parser.add_argument("--rate-mbit", type=float, default=400.0, help="every host's up- and downlink")
     parser.add_argument("--mixed", action="store_true", help="a quarter of the receivers at a quarter of the rate")
@@ -158,15 +189,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-relay", action="store_true", help="relay=False: every receiver from the source")
     parser.add_argument("--source-transfers", type=int, default=None,
                         help="the source's limit on data transfers at once (default: Limits' own)")
+    parser.add_argument("--tbf", action="store_true",
+                        help="links are the lab's tbf-shaped veths, whose kernel costs CPU per byte (sim/model.py)")
     parser.add_argument("--json", action="store_true", help="the per-receiver rows too, before the summary")
     parser.add_argument("--verbose", action="store_true", help="the planners' log (peers dropped and why)")
+    parser.add_argument("--plot", type=Path, metavar="PATH",
+                        help="a PNG of the slowest receiver over ideal against N: the model at --plot-receivers "
+                             "(equal links, the other options as given), the recorded lab points, HTTPTransport's N "
+                             "(needs the plot extra: matplotlib)")
+    parser.add_argument("--plot-receivers", default=",".join(map(str, PLOT_RECEIVERS)),
+                        help="comma-separated N for --plot (default %(default)s)")
+    parser.add_argument("--plot-no-lab-model", action="store_true",
+                        help="--plot without the model run as the lab ran (its N, its two shared cores, tbf links)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR)
-    if args.receivers < 1:
-        parser.error("--receivers must be at least 1")
+    if args.plot is not None:
+        if plot is None:
+            parser.error("--plot is the command line's (python -m zmqtransport.sim)")
+        return plot(args, parser)
+    if args.receivers is None or args.receivers < 1:
+        parser.error("--receivers must be given, at least 1")
     result = simulate(args.receivers, args.mib, args.rate_mbit, args.mixed, args.kill, args.liars, args.seed,
                       args.latency_ms / 1000, args.cores, args.shared_cores, not args.no_relay,
-                      args.source_transfers)
+                      args.source_transfers, tbf=args.tbf)
     rows = result.pop("per_receiver")
     if args.json:
         for row in rows:
