@@ -444,6 +444,33 @@ def test_a_source_that_refuses_the_digests_leaves_no_peer_and_what_they_sent_is_
     assert any(s.first <= held.first < s.stop for s in net.spans(source))  # from the source now
 
 
+def test_digests_that_come_after_the_receive_gave_up_on_peers_are_dropped_not_a_protocol_error() -> None:
+    # Seen in the lab (11 receivers, one killed): the source refused one digest request while others were
+    # out; an answer to one of those failed the receive ("unexpected 'digests' message ... striped receive").
+    net = planner(messages=64, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
+    net.carry_out(net.plan.start())
+    net.add()
+    net.add(1, PEER_TOKEN)
+    net.tick()
+    have(net, 1, (1 << 64) - 1)
+    for now in (0.001, 0.002):
+        for span in net.spans(1):
+            net.serve(1, span)
+        net.tick(now)
+    first, *late = list(net.plan.registry.of(DigestRequest))
+    assert late  # several read ahead at once
+    net.answer(first.stream, wire.error_reply(first.xfer, wire.ERR_BAD_REQUEST, "not ahead"))
+    net.tick(0.003)
+    plain = next(r for r in net.plan.registry.of(DigestRequest) if not r.ahead)
+    net.answer(plain.stream, wire.error_reply(plain.xfer, wire.ERR_BAD_REQUEST, "no digests here"))
+    assert net.plan.digests is None and 1 in net.closed  # gave up on peers
+    for request in late:  # the source answers what it was asked before
+        blob = b"".join(digests.digest_of(SHA, payload(seq)) for seq in range(request.first, request.stop))
+        net.answer(request.stream, wire.digests_reply(request.xfer, request.first, blob))
+    assert net.failed == []
+    finish_from_source(net)
+
+
 # ----------------------------------------------------------------------------- what a peer says (issue 34)
 
 

@@ -377,9 +377,13 @@ class Outgoing:
 
     def digests_answered(self, reply: wire.Reply, now: float) -> list[Verdict]:
         """A ``digests`` reply from the source: verdicts on the messages that waited for it (``ValueError``:
-        it does not cover what was asked)."""
+        it does not cover what was asked, or none was)."""
         book = self.plan.digests
-        assert reply.xfer is not None and reply.dg is not None and book is not None  # wire.decode_reply
+        assert reply.xfer is not None and reply.dg is not None  # wire.decode_reply
+        if self.plan.registry.settled_as(reply.xfer) is not None:
+            return []  # asked for before the receive gave up on peers: nothing waits for them
+        if book is None:
+            raise ValueError("digests this receive did not ask for")
         request = self.plan.registry.get(reply.xfer, DigestRequest)
         verdicts = book.on_digests(reply.xfer, reply.seq, reply.dg) or []
         if request is not None and logger.isEnabledFor(logging.DEBUG):
@@ -668,7 +672,7 @@ class ReceivePlanner:
             return self.out.on_have(self.lanes[stream], reply, who, now)
         if op == wire.OP_ERROR:
             return [Discard(stream), *self._on_error(stream, reply, who, now)]
-        if op == wire.OP_DIGESTS and not reply.more and self.lanes[stream].token is None and self.digests is not None:
+        if op == wire.OP_DIGESTS and not reply.more and self.lanes[stream].token is None:
             try:  # the source's digests: verdicts on the relayed messages that waited for them
                 return self._judge(self.out.digests_answered(reply, now))
             except ValueError as exc:
@@ -826,6 +830,6 @@ class ReceivePlanner:
                 actions += self._drop_peer(peer, why, believed=False)
         self.book.rejected(waiting)
         for request in list(self.registry.of(DigestRequest)):
-            self.registry.pop(request.xfer)  # their answers are not awaited any more
+            self.registry.settle(request.xfer, FORGOTTEN)  # their answers, when they come, are dropped
         self.digests = None  # and no new peer is connected
         return actions
