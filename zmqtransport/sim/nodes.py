@@ -142,6 +142,7 @@ class Server:
         self.conns: dict[bytes, Conn] = {}
         self.hashed: set[int] = set()  # messages the source hashed (once per staging)
         self._turn = 0
+        self._last_turn: dict[tuple[bytes, int], int] = {}  # transfer -> the turn it last sent on
         self._pumping = False
         self._expiring = False
         net.pumps[host.name] = self.pump
@@ -250,8 +251,13 @@ class Server:
                 ready = [t for t in self.scheduler.next_round() if self._open(t)]
                 if not ready:
                     return
+                # serve/pump.py sends one message per ready transfer per round: the one
+                # that sent longest ago goes next (an index into a list whose length
+                # changes as transfers come and go starved some past the stall bound).
                 self._turn += 1
-                self._send(ready[self._turn % len(ready)])
+                chosen = min(ready, key=lambda t: self._last_turn.get(t.key, -1))
+                self._last_turn[chosen.key] = self._turn
+                self._send(chosen)
         finally:
             self._pumping = False
 
