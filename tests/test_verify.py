@@ -488,6 +488,24 @@ def _heal_behind_a_rogue(
     return honest.last_recv_stats, named, rogue
 
 
+def _heal_until_named(
+    make_transport: Any, caplog: pytest.LogCaptureFixture, check: Any, attempts: int = 3, **downstream: Any
+) -> list[str]:
+    """:func:`_heal_behind_a_rogue` until the honest receive met the rogue (named it), ``check``-ing each heal.
+
+    Whether the honest receiver asks the rogue at all is a race: a slow member's
+    claims lapse after one claim bound (fetch/claims.py), and on a loaded
+    machine the honest receive may then take everything from the source. Such a
+    heal still has to be right; it just shows nothing about the rogue, so it is
+    tried again (a bounded number of times)."""
+    for _ in range(attempts):
+        stats, named, _ = _heal_behind_a_rogue(make_transport, caplog, **downstream)
+        check(stats)
+        if named:
+            return named
+    raise AssertionError(f"the honest receive never met the rogue in {attempts} heals")
+
+
 def _receive(transport: ZMQTransport[Any], sender: ZMQTransport[Any]) -> Any:
     try:
         return transport.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
@@ -504,10 +522,12 @@ def test_a_rogue_relay_changes_nothing_and_is_named(
     rogue: Any, make_transport: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     rogue(monkeypatch)
-    stats, named, _ = _heal_behind_a_rogue(make_transport, caplog)
-    assert named, [r.getMessage() for r in caplog.records]
+
+    def check(stats: Any) -> None:
+        assert sum(stats.paths.values()) == stats.bytes
+
+    named = _heal_until_named(make_transport, caplog, check)
     assert "WARNING" in {r.levelname for r in caplog.records if r.getMessage() in named}
-    assert sum(stats.paths.values()) == stats.bytes
 
 
 def test_an_in_place_receive_keeps_no_forged_byte(
@@ -515,9 +535,12 @@ def test_an_in_place_receive_keeps_no_forged_byte(
 ) -> None:
     forging(monkeypatch)
     mine = state(seed=9)
-    stats, named, _ = _heal_behind_a_rogue(make_transport, caplog, state_dict=lambda: mine)
-    assert named and stats.in_place_bytes == stats.bytes
-    assert same(mine, state())  # the caller's own tensors hold the source's bytes, every one
+
+    def check(stats: Any) -> None:
+        assert stats.in_place_bytes == stats.bytes
+        assert same(mine, state())  # the caller's own tensors hold the source's bytes, every one
+
+    _heal_until_named(make_transport, caplog, check, state_dict=lambda: mine)
 
 
 def test_a_rogue_relay_ahead_of_a_device_receive(
