@@ -306,8 +306,11 @@ def test_the_swarm_steps_aside_where_the_source_feeds_its_receivers_faster_than_
 
 
 def test_a_lone_receiver_takes_the_direct_path_once_the_source_is_measured_fast(
-    make_transport: Any, quick_uplink: None
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch, quick_uplink: None
 ) -> None:
+    # Any measured rate counts as fast: loopback's rate is the CPU's, and a loaded machine (CI) can hold it
+    # under the production bound; this test is about what the source does with a fast judgement.
+    monkeypatch.setattr(uplink, "SWARM_BELOW", 0.0)
     sender = make_transport()
     receiver = make_transport()
     want = state()
