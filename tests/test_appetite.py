@@ -17,7 +17,6 @@ performance assertions. All traffic stays on 127.0.0.1.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from datetime import timedelta
@@ -32,6 +31,7 @@ from zmqtransport import ZMQTransport, wire
 from zmqtransport.net import parse_metadata
 
 from .conftest import Processes, assert_same
+from .floods import keep_granting, unread_dealer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,22 +80,11 @@ def _ask_and_never_read(metadata: str, connections: int, seconds: float) -> None
     context = zmq.Context()
     dealers = []
     for _ in range(connections):
-        dealer = context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 1)
-        dealer.setsockopt(zmq.RCVBUF, 4096)  # libzmq stops pulling from TCP almost at once
-        dealer.connect(f"tcp://{address.host}:{address.port}")
+        dealer = unread_dealer(context, address.host, address.port)
         for xfer in range(PER_CONNECTION):
             dealer.send(wire.fetch_request(100 + xfer, 1, 1000, wire.MAX_CREDIT, False))
         dealers.append(dealer)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:  # bounded: it stops by itself
-        for dealer in dealers:
-            for xfer in range(PER_CONNECTION):
-                # A connection that was cut (or is being re-made) is asked again next round.
-                with contextlib.suppress(zmq.ZMQError):
-                    dealer.send(wire.credit_request(100 + xfer, wire.MAX_CREDIT), zmq.NOBLOCK)
-        time.sleep(0.05)
+    keep_granting(dealers, range(100, 100 + PER_CONNECTION), seconds)
     context.destroy(linger=0)
 
 

@@ -50,6 +50,7 @@ from zmqtransport import ZMQTransport, digests, relayed, wire
 from zmqtransport.net import parse_metadata
 
 from .conftest import Processes, assert_same
+from .floods import keep_granting, unread_dealer
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -172,11 +173,7 @@ def _flood_relay(source_metadata: str, joined: Any, seconds: float) -> None:
     relay = parse_metadata(relay_at)
     dealers = []
     for _ in range(CONNECTIONS):
-        dealer = context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 1)
-        dealer.setsockopt(zmq.RCVBUF, 4096)  # libzmq stops pulling from TCP almost at once
-        dealer.connect(f"tcp://{relay.host}:{relay.port}")
+        dealer = unread_dealer(context, relay.host, relay.port)
         for xfer in range(PER_CONNECTION):
             span = wire.fetch_request(
                 100 + xfer, STEP, 1000, wire.MAX_CREDIT, False, span=(0, messages), stage=envelope["stage"], token=token
@@ -184,13 +181,7 @@ def _flood_relay(source_metadata: str, joined: Any, seconds: float) -> None:
             dealer.send(span)
         dealers.append(dealer)
     joined.set()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:  # bounded: it stops by itself
-        for dealer in dealers:
-            for xfer in range(PER_CONNECTION):
-                with contextlib.suppress(zmq.ZMQError):
-                    dealer.send(wire.credit_request(100 + xfer, wire.MAX_CREDIT), zmq.NOBLOCK)
-        time.sleep(0.05)
+    keep_granting(dealers, range(100, 100 + PER_CONNECTION), seconds)
     context.destroy(linger=0)
 
 
