@@ -53,7 +53,7 @@ class Relayed:
     # waits): only their landing wakes that thread; the others are sent from what a downstream saw landed.
     awaited: int = 0
     crcs: list[int | None] = field(default_factory=list)
-    served: bool = False  # a downstream has asked (until then nothing needs waking)
+    served: bool = False  # a downstream has asked (the relay's tail then waits for its downstream)
     # Downstream connections (routing ids) that asked and are still connected:
     # the relay's tail lasts while any is (set by the serving thread).
     peers: set[bytes] = field(default_factory=set)
