@@ -640,7 +640,10 @@ def test_fast_presets_are_unshaped_with_an_mtu_option() -> None:
     args = bench.build_parser().parse_args(["--scenario", "fast-1to1", "--rate", "400"])
     (scenario,) = bench.scenarios_from_args(args, available=frozenset())
     assert scenario.lab is not None and scenario.lab.shaped and scenario.lab.rate_mbit == 400
-    for bad in (["--mtu", "40"], ["--perf", "/tmp/x"]):
+    args = bench.build_parser().parse_args(["--scenario", "lab-1to3", "--profile", "--no-cprofile"])
+    (scenario,) = bench.scenarios_from_args(args, available=frozenset())
+    assert scenario.profiling is not None and not scenario.profiling.functions
+    for bad in (["--mtu", "40"], ["--perf", "/tmp/x"], ["--no-cprofile"]):
         with pytest.raises(SystemExit):
             bench.main([*bad, *TINY])
 

@@ -36,6 +36,7 @@ from zmqtransport.fetch.planner import (
     ReceivePlanner,
     Send,
     Swarm,
+    Ticks,
 )
 from zmqtransport.fetch.registry import CANCELLED, Question
 from zmqtransport.fetch.requests import SpanTerms
@@ -670,3 +671,55 @@ def test_a_busy_answer_to_a_claim_or_a_digest_request_is_asked_again_not_given_u
     assert list(net.plan.registry.of(DigestRequest))
     finish_from_source(net)
     assert net.failed == []
+
+
+# ----------------------------------------------------------------------------- when the owner ticks
+
+
+def test_a_data_message_that_lands_asks_nothing_new_so_the_owner_need_not_tick_after_it() -> None:
+    # The premise of Ticks: only what is not a landed data message (an end, an answer, a connection,
+    # a drop) or time gives the planner something new to ask.
+    net = with_a_peer()
+    peer = 1
+    digests_of(net)  # the peer's messages are checked as they land
+    net.tick()
+    [span] = net.spans(peer)
+    asked = [len(stream.sent) for stream in net.streams]
+    ticks = Ticks()
+    ticks.ticked(net.now + 1.0)
+    for seq in range(span.first, span.stop):
+        net.streams[peer].put(wire.data_envelope(span.xfer, seq, None), payload(seq))
+        reply = net.streams[peer].reply("the peer")
+        assert reply is not None
+        ticks.replied(reply)
+        actions = net.plan.on_reply(peer, reply, "the peer", net.now)
+        for action in actions:
+            ticks.carried(action)
+        net.carry_out(actions)
+        assert not ticks.due(net.now) and net.landed[-1] == seq
+        net.tick()  # what a tick would do now: nothing
+        assert [len(stream.sent) for stream in net.streams] == asked
+    # The span's end is something new: a tick is due, and asks the peer for its next span.
+    net.streams[peer].put(wire.end_reply(span.xfer))
+    reply = net.streams[peer].reply("the peer")
+    assert reply is not None
+    ticks.replied(reply)
+    net.carry_out(net.plan.on_reply(peer, reply, "the peer", net.now))
+    assert ticks.due(net.now)
+    net.tick()
+    assert len(net.streams[peer].sent) > asked[peer]
+
+
+def test_ticks_are_due_at_the_wake_time_or_at_once_after_a_change() -> None:
+    ticks = Ticks()
+    assert ticks.due(0.0)  # the first pass ticks
+    ticks.ticked(5.0)
+    assert not ticks.due(4.9) and ticks.due(5.0)
+    ticks.carried(Land(3, None))
+    ticks.carried(Fetching(0))
+    assert not ticks.due(4.9)
+    ticks.carried(Close(2))  # a stream dropped (its spans are free again)
+    assert ticks.due(4.9)
+    ticks.ticked(5.0)
+    ticks.changed()  # a connection came up or went down
+    assert ticks.due(0.0)

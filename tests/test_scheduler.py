@@ -885,6 +885,62 @@ def test_relayed_downstream_peers_are_tracked_until_their_connection_closes(net:
     assert relay.peers == set()
 
 
+def test_a_relay_publishes_which_landings_its_transfers_wait_for(net: Net) -> None:
+    # The receiving thread wakes the serving thread only for the messages published here
+    # (RelayDuty.landed): a transfer with credit whose next message has not landed.
+    relay = relayed()
+    net.execute(net.scheduler.relay(relay, net.now))
+    relay.landed_one(0, None)
+    relay.landed_one(1, None)
+    net.request(b"down", fetch(xfer=1, credit=6, span=(0, 6), stage=relay.stage_id, token=relay.token))
+    net.request(b"other", fetch(xfer=2, credit=6, span=(4, 6), stage=relay.stage_id, token=relay.token))
+    relaying = net.scheduler.relaying
+    relaying.mark_awaited(net.scheduler.transfers.values())
+    assert relay.awaited == 0b10000  # b"down" can send what has landed: only b"other" waits (for 4)
+    net.pump()
+    assert net.data(b"down", 1) == [0, 1]
+    relaying.mark_awaited(net.scheduler.transfers.values())
+    assert relay.awaited == 0b10100  # now both wait: for 2 and for 4
+    relay.landed_one(2, None)
+    net.pump()
+    relaying.mark_awaited(net.scheduler.transfers.values())
+    assert relay.awaited == 0b11000 and net.data(b"down", 1) == [0, 1, 2]
+    # A transfer held back for its connection, or out of credit, waits for no landing.
+    net.scheduler.transfers[(b"other", 2)].paused = True
+    net.scheduler.transfers[(b"down", 1)].credit = 0
+    relaying.mark_awaited(net.scheduler.transfers.values())
+    assert relay.awaited == 0
+
+
+def test_a_relaying_receive_wakes_the_serving_thread_only_for_an_awaited_landing() -> None:
+    from zmqtransport.fetch.relaying import RelayDuty
+
+    class Host:
+        def __init__(self) -> None:
+            self.pokes = 0
+
+        def relay(self, relayed: Any) -> None:
+            pass
+
+        def poke(self) -> None:
+            self.pokes += 1
+
+        def stop_relay(self, token: bytes, timeout: float) -> bool:
+            return True
+
+    host = Host()
+    relay = relayed()
+    duty = RelayDuty(host, relay)
+    relay.served = True  # a downstream has asked
+    duty.landed(0, None)
+    assert host.pokes == 0 and relay.available(0)  # nobody waits for 0: a downstream asks for it later
+    relay.awaited = 0b100
+    duty.landed(1, None)
+    assert host.pokes == 0
+    duty.landed(2, None)
+    assert host.pokes == 1
+
+
 def test_span_fetch_before_the_relay_registered_its_token_starts_when_it_does(net: Net) -> None:
     # The source may send a downstream here while this receiver is still
     # parsing the header it registers the token after.

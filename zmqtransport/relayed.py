@@ -49,8 +49,11 @@ class Relayed:
     landed: bytearray = field(default_factory=bytearray)  # 1 once data message seq's bytes are in place
     have: int = 0  # the same, as a bit set (bit seq), for have replies
     coming: int = 0  # what the receive is fetching now (a bit set), for have replies
+    # The messages a transfer of it waits for (a bit set, written by the serving thread before each of its
+    # waits): only their landing wakes that thread; the others are sent from what a downstream saw landed.
+    awaited: int = 0
     crcs: list[int | None] = field(default_factory=list)
-    served: bool = False  # a downstream has asked (until then nothing needs waking)
+    served: bool = False  # a downstream has asked (the relay's tail then waits for its downstream)
     # Downstream connections (routing ids) that asked and are still connected:
     # the relay's tail lasts while any is (set by the serving thread).
     peers: set[bytes] = field(default_factory=set)

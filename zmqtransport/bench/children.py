@@ -302,7 +302,9 @@ class ReceiverProcess:
             if self.started is not None:
                 self.started.set()
             return self._receive_disallowed(step, meter, cpu_before, started)
-        profiler = cProfile.Profile() if self.clock is not None and not self.profiled else None
+        profiling = self.scenario.profiling
+        functions = profiling is not None and profiling.functions
+        profiler = cProfile.Profile() if self.clock is not None and functions and not self.profiled else None
         if self.phases is not None:
             self.phases.start()
         if profiler is not None:
@@ -313,10 +315,11 @@ class ReceiverProcess:
         ended = time.perf_counter()
         seconds = ended - started
         cpu = process_cpu_seconds() - cpu_before
-        if profiler is not None:
+        if self.clock is not None and not self.profiled:
             phases = self.phases.seconds(ended) if self.phases is not None else {}
             self.profiled = {"receive_s": seconds, "receive_cpu_s": cpu, "phases": phases}
-            self.profiled["functions"] = top_functions(profiler)
+            if profiler is not None:
+                self.profiled["functions"] = top_functions(profiler)
         growth = meter.growth()
         in_place = 0
         if self.knobs.verify:

@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the receiving thread's functions (cProfile); printed after the tables (zmqtransport.bench.profiling)",
     )
     parser.add_argument(
+        "--no-cprofile",
+        action="store_true",
+        help="with --profile: no cProfile of the receiving thread (it slows Python-heavy code by tens of "
+        "per cent), so the per-thread CPU seconds are the code's own",
+    )
+    parser.add_argument(
         "--perf",
         metavar="DIR",
         help="with --profile: also 'perf record -g' the source and receiver 1 over each trial's receives into DIR",
@@ -228,7 +234,7 @@ def scenarios_from_args(args: argparse.Namespace, available: frozenset[str]) -> 
                 settle_s=settle,
                 warm=args.warm,
                 lab=spec,
-                profiling=Profiling(args.perf or "") if args.profile else None,
+                profiling=Profiling(args.perf or "", functions=not args.no_cprofile) if args.profile else None,
             )
         )
     return chosen
@@ -251,6 +257,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise SystemExit("--mtu must be within 68..65535")
     if args.perf and not args.profile:
         raise SystemExit("--perf goes with --profile")
+    if args.no_cprofile and not args.profile:
+        raise SystemExit("--no-cprofile goes with --profile")
     if args.perf and shutil.which("perf") is None:
         raise SystemExit("--perf needs perf (linux-tools) on the PATH")
 

@@ -116,9 +116,12 @@ class Profiling:
 
     ``perf_dir``: also ``perf record -g`` the source and receiver 1 over each
     trial's receives, one file per process and trial there ("": no perf).
+    ``functions``: a cProfile of the receiving thread too (it slows Python-heavy
+    code, so the per-thread CPU is the code's own only without it).
     """
 
     perf_dir: str = ""
+    functions: bool = True
 
 
 @dataclass(frozen=True)

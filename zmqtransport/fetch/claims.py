@@ -33,7 +33,7 @@ from __future__ import annotations
 # (the slowest live path from the source, or that peer's own pace when it is
 # slower): an honest member fetching lands a message every message time or
 # so, from the source or from the others, and is asked what it holds every
-# 10-100 ms (peers.HAVE_EVERY, HAVE_REFRESH). Twice the quiet rule's
+# 50-100 ms (peers.HAVE_EVERY, HAVE_REFRESH). Twice the quiet rule's
 # QUIET_GAPS: a member fetching waits on senders that serve others too.
 CLAIM_GAPS = 8.0
 # Seconds: never sooner (three of a busy peer's have refreshes, and scheduling

@@ -27,7 +27,7 @@ from . import planner as plans
 from .connection import Connection
 from .inbox import Inbox
 from .peers import NewPeer
-from .planner import CHECK_EVERY, ReceivePlanner
+from .planner import CHECK_EVERY, ReceivePlanner, Ticks
 
 logger = logging.getLogger("zmqtransport.fetch")
 
@@ -50,6 +50,7 @@ class Owner:
         self.open_peer = open_peer
         self.streams: list[Connection] = []  # by the plan's stream index
         self.poller = zmq.Poller()
+        self.ticks = Ticks()
         for stream in streams:
             self._add(stream)
         self._carry_out(plan.start())
@@ -62,7 +63,9 @@ class Owner:
             while not plan.complete:
                 now = time.monotonic()
                 self._follow_connections(now, ready)
-                self._carry_out(plan.tick(now))
+                if self.ticks.due(now):
+                    self._carry_out(plan.tick(now))
+                    self.ticks.ticked(max(plan.wake_at(now), now))
                 ready = dict(self.poller.poll(self._wait_ms(now)))
                 for index, stream in enumerate(self.streams):
                     if stream.socket in ready and not plan.lanes[index].gone:
@@ -71,7 +74,7 @@ class Owner:
             self._carry_out(plan.close())
 
     def _wait_ms(self, now: float) -> int:
-        return max(0, math.ceil((max(self.plan.wake_at(now), now) - now) * 1000))
+        return max(0, math.ceil((max(self.ticks.at, now) - now) * 1000))
 
     # ------------------------------------------------------------------ streams
 
@@ -112,7 +115,9 @@ class Owner:
             if (ready is None or stream.watch.monitor in ready) and stream.watch.read_events(now):
                 state = stream.watch.state
                 plan.connection(index, state.established, state.lost_at)
+                self.ticks.changed()
         for index in plan.settling(now):
+            self.ticks.changed()
             self._drain(index, self.streams[index])
 
     # ------------------------------------------------------------------ replies
@@ -125,8 +130,10 @@ class Owner:
                 reply = stream.reply(who)
                 if reply is None:
                     return
+                self.ticks.replied(reply)
                 self._carry_out(plan.on_reply(index, reply, who, time.monotonic()), who)
             except ProtocolError as exc:
+                self.ticks.changed()
                 self._carry_out(plan.malformed(index, exc))  # the source's fails the receive
             if plan.complete or plan.lanes[index].gone or time.monotonic() >= until:
                 return
@@ -145,6 +152,7 @@ class Owner:
     def _carry_out(self, actions: list[plans.Action], who: str = "") -> None:
         plan = self.plan
         for action in actions:
+            self.ticks.carried(action)
             match action:
                 case plans.Send(stream=index):
                     # A stream dropped since the request was made does not take it either.

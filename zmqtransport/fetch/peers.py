@@ -24,9 +24,15 @@ from .registry import Question, Registry
 from .spans import SOURCE
 
 # Seconds between two questions to one peer about what it holds, while this
-# receive has nothing left to ask it for (a peer lands a 1 MiB message every
-# few milliseconds on a fast link) ...
-HAVE_EVERY = 0.01
+# receive has nothing left to ask it for. Each question costs a pass of both
+# receives' loops and of the peer's serving thread, and brings back what the
+# peer landed since: at 10 ms a member of three at 400 Mbit/s asked its peers
+# about once per data message it received, most answers naming one new
+# message (then a span of one). At 50 ms it asks a third as often, each answer
+# names a few, and its spans grow: 4.5 against 5.7 CPU-s per GiB received
+# (one run of three trials), the slowest receive no slower (docs/fast-links.md,
+# "Relaying CPU") ...
+HAVE_EVERY = 0.05
 # ... and while it has: only to keep what it is fetching known. Each question
 # costs both serving threads some CPU: with six peers, asking each every
 # 10 ms is 600 questions a second per receiver.

@@ -506,6 +506,46 @@ class Outgoing:
         return False
 
 
+# ----------------------------------------------------------------------------- when to ask the planner
+
+
+class Ticks:
+    """When the socket owner asks the planner again (:meth:`ReceivePlanner.tick`): at the time the last
+    tick named (:meth:`ReceivePlanner.wake_at`), or at once after anything but a data message that landed.
+
+    A data message that lands asks nothing new of anyone: a stream gets room for its next span only
+    with its span's ``end``, a peer new holdings only with a ``have`` answer, a check with a
+    ``digests`` answer; what time makes due (a question, a takeover, a drop, the deadline) is in the
+    last tick's wake time, which a message's arrival only postpones. A swarm member of three at
+    400 Mbit/s passed its loop about 1.6 times per data message and ticked at each pass, the biggest
+    part of its receiving thread's CPU (docs/fast-links.md, "Relaying CPU").
+    """
+
+    def __init__(self) -> None:
+        self.at = -math.inf  # when the next tick is due (-inf: at once)
+
+    def due(self, now: float) -> bool:
+        return now >= self.at
+
+    def ticked(self, wake_at: float) -> None:
+        """A tick ran; the next is due at ``wake_at`` unless something comes first."""
+        self.at = wake_at
+
+    def changed(self) -> None:
+        """Something the planner must look at came: a connection's state, a malformed message."""
+        self.at = -math.inf
+
+    def replied(self, reply: wire.Reply) -> None:
+        if reply.op != wire.OP_DATA:
+            self.changed()
+
+    def carried(self, action: Action) -> None:
+        """The owner carried out ``action``: one that changes the receive's streams or fails it calls
+        for a tick (a data message's own actions do not, unless it dropped its peer)."""
+        if not isinstance(action, (Receive, Land, Discard, Fetching, Send)):
+            self.changed()
+
+
 # ----------------------------------------------------------------------------- the planner
 
 
@@ -636,7 +676,7 @@ class ReceivePlanner:
             stall = self.terms.stall_timeout
             if stall is not None and silent >= stall:
                 actions += self._drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
-            elif lane.token is not None and silent >= max(QUIET_FIRST, self.book.quiet_after(index)):
+            elif lane.token is not None and silent >= QUIET_FIRST and silent >= self.book.quiet_after(index):
                 # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
                 actions += self._drop_peer(lane.peer, f"sent nothing for {silent:.2g} s of what it holds")
         for peer in self.book.unbacked(now):  # claims are hints with deadlines (fetch/claims.py)

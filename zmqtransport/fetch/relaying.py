@@ -81,8 +81,13 @@ class RelayDuty:
     def landed(self, seq: int, crc: int | None) -> None:
         """Message ``seq`` landed: the downstream may have it now."""
         self.relayed.landed_one(seq, crc)
-        if self.relayed.served:
-            self.host.poke()  # only a downstream waiting for it needs the serving thread awake
+        # Only a transfer waiting for it needs the serving thread awake. A downstream asks for what it
+        # saw landed, so most landings wake nothing: waking the serving thread for each cost both threads
+        # a pass and a hand-over of the GIL per message (docs/fast-links.md, "Relaying CPU"). Landed
+        # first, then read: the serving thread publishes what it waits for before it looks at what
+        # landed, so one side or the other sees a landing between the two (both under the GIL).
+        if self.relayed.awaited >> seq & 1:
+            self.host.poke()
 
     def fetching(self, coming: int) -> None:
         """What the receive is fetching now (a bit set): the others ask the source for something else."""

@@ -73,6 +73,20 @@ class RelayedSteps:
             return None
         return Have(peer, request.xfer, relayed.have, relayed.messages, coming=relayed.coming)
 
+    def mark_awaited(self, transfers: Iterable[Transfer]) -> None:
+        """Publish to each relayed step the messages its ``transfers`` wait for (:attr:`Relayed.awaited`):
+        a transfer with credit whose next message has not landed. The receiving thread wakes the serving
+        thread for those landings alone, so call this before looking at what may send (then wait)."""
+        waits = dict.fromkeys(self.steps, 0)
+        for transfer in transfers:
+            staged = transfer.staged
+            if not isinstance(staged, Relayed) or staged.token not in waits or transfer.paused:
+                continue
+            if transfer.credit > 0 and not transfer.done and not staged.available(transfer.next_seq):
+                waits[staged.token] |= 1 << transfer.next_seq
+        for token, bits in waits.items():
+            self.steps[token].awaited = bits
+
     def stop(self, token: bytes, transfers: Iterable[Transfer]) -> list[Transfer]:
         """Relay ``token``'s step no more; returns the transfers serving it (to end)."""
         relayed = self.steps.pop(token, None)

@@ -304,6 +304,7 @@ class Server:
             self._shutdown_in_thread()
 
     def _poll_timeout_ms(self) -> int:
+        self._scheduler.relaying.mark_awaited(self._scheduler.transfers.values())  # first: see RelayDuty.landed
         now = time.monotonic()
         seconds = 0.0 if self._hashing_due else self._scheduler.wakeup_in(now)
         held = self._held.wakeup_in(now)
