@@ -614,6 +614,14 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-inplace-io2", into_targets=True, options=(("io_threads", 2),)),
         ZmqMethod("zmq-inplace-4s-io2", into_targets=True, streams=4, options=(("io_threads", 2),)),
         ZmqMethod("zmq-inplace-norelay", into_targets=True, relay=False),
+        # Issue 33, direct receives (session direct3): the I/O threads of both sides, named, whatever the default.
+        ZmqMethod("zmq-norelay-io1", into_targets=False, relay=False, options=(("io_threads", 1),)),
+        ZmqMethod("zmq-norelay-io2", into_targets=False, relay=False, options=(("io_threads", 2),)),
+        ZmqMethod("zmq-norelay-4s-io2", into_targets=False, relay=False, streams=4, options=(("io_threads", 2),)),
+        ZmqMethod("zmq-fresh-io1", into_targets=False, options=(("io_threads", 1),)),
+        ZmqMethod("zmq-norelay-w64", into_targets=False, relay=False, options=(("window", 64),)),
+        ZmqMethod("zmq-norelay-pf0", into_targets=False, relay=False, options=(("prefault_threads", 0),)),
+        ZmqMethod("zmq-norelay-pf1", into_targets=False, relay=False, options=(("prefault_threads", 1),)),
         CutMethod("zmq-inplace-cut", ZmqMethod("zmq-inplace", into_targets=True)),
         HttpMethod("http", chunks=0),
         HttpMethod("http-4", chunks=4),
@@ -636,5 +644,12 @@ VARIANTS = frozenset(
         "zmq-inplace-io2",
         "zmq-inplace-4s-io2",
         "zmq-inplace-norelay",
+        "zmq-norelay-io1",
+        "zmq-norelay-io2",
+        "zmq-norelay-4s-io2",
+        "zmq-fresh-io1",
+        "zmq-norelay-w64",
+        "zmq-norelay-pf0",
+        "zmq-norelay-pf1",
     }
 )
