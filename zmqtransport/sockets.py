@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,15 +24,6 @@ from .net import WILDCARD_HOSTS
 logger = logging.getLogger(__name__)
 
 MAX_PORT = 65535
-# The most I/O threads a context gets by default (io_threads=None): one per
-# core the process may run on, up to this. libzmq gives each connection to one
-# I/O thread (the least loaded when it is made), so a source serving several
-# receivers at once over fast links copies into the kernel on that many cores
-# (docs/fast-links.md, "Direct receives against HTTPTransport"). An idle I/O
-# thread costs nothing but its stack; more than there are cores only adds
-# switches. Four covers the three to four concurrent direct receives measured;
-# more can be asked for.
-DEFAULT_IO_THREADS_MAX = 4
 TERM_TIMEOUT = 5.0  # seconds an error path waits for Context.term() before giving up on it
 
 
@@ -43,22 +33,6 @@ def check_port(port: int) -> int:
         # libzmq would silently bind some other port for 70000.
         raise ValueError(f"port={port!r}: must be an integer in [0, {MAX_PORT}] (0: any free port)")
     return port
-
-
-def default_io_threads(cpus: int | None) -> int:
-    """I/O threads for a context when the caller names none: one per usable core, 1 to :data:`DEFAULT_IO_THREADS_MAX`.
-
-    ``cpus``: the cores this process may run on (None: unknown, one thread).
-    """
-    return max(1, min(DEFAULT_IO_THREADS_MAX, cpus or 1))
-
-
-def usable_cpus() -> int | None:
-    """The cores this process may run on (its affinity where the OS tells it), None if unknown."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count()
 
 
 def bind_endpoint(bind_host: str, port: int) -> str:
@@ -188,15 +162,4 @@ def open_sockets(context: zmq.Context[Any]) -> list[str]:
     return [repr(sock) for sock in list(tracked) if not sock.closed]
 
 
-__all__ = [
-    "bind",
-    "bind_all",
-    "bind_endpoint",
-    "bind_error",
-    "check_port",
-    "default_io_threads",
-    "new_socket",
-    "open_sockets",
-    "terminate",
-    "usable_cpus",
-]
+__all__ = ["bind", "bind_all", "bind_endpoint", "bind_error", "check_port", "new_socket", "open_sockets", "terminate"]

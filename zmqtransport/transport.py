@@ -196,11 +196,6 @@ class ZMQTransport(CheckpointTransport[T]):
         max_recv_bytes: refuse a header announcing more fresh memory than this
             (default: physical memory).
         io_threads: ZeroMQ I/O threads of this transport's context.
-            ``None`` (default): one per core this process may run on, at
-            most 4 (:func:`zmqtransport.sockets.default_io_threads`). libzmq
-            gives each connection to one I/O thread, so a source serving
-            several receivers at once over fast links copies on that many
-            cores (docs/fast-links.md, "Direct receives against HTTPTransport").
         device: where ``recv_checkpoint`` allocates tensors that are not
             received in place: ``"cpu"`` (default, as torchft's other
             transports) or a CUDA device such as ``"cuda"`` / ``"cuda:1"``
@@ -251,7 +246,7 @@ class ZMQTransport(CheckpointTransport[T]):
         state_dict: Callable[[], T] | None = None,
         checksum: bool = False,
         max_recv_bytes: int | None = None,
-        io_threads: int | None = None,
+        io_threads: int = 1,
         device: str | torch.device = "cpu",
         staging: DeviceStaging | None = None,
         prefault_threads: int = 2,
@@ -281,8 +276,6 @@ class ZMQTransport(CheckpointTransport[T]):
         self._curve = security.CurveSettings.resolve(
             curve_secret, curve_allowed_clients, curve_client_keypair, curve_server_keypair
         )
-        if io_threads is None:
-            io_threads = sockets.default_io_threads(sockets.usable_cpus())
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
         self._shutdown_lock, self._shut_down = threading.Lock(), False
         self._zap: security.ZapHandler | None = None
@@ -534,7 +527,7 @@ def _check_options(
     chunk_bytes: int | None,
     pack_below: int,
     window: int,
-    io_threads: int | None,
+    io_threads: int,
     port: int,
 ) -> float | None:
     """Refuse a bad option value with a ``ValueError`` naming it; the stall bound in seconds."""
@@ -552,9 +545,9 @@ def _check_options(
     stall_seconds = _seconds_or_none(stall_timeout)
     if stall_seconds is not None and not stall_seconds > 0:
         raise ValueError(f"stall_timeout={stall_timeout!r}: must be positive or None")
-    if io_threads is not None and (type(io_threads) is not int or io_threads < 1):
+    if type(io_threads) is not int or io_threads < 1:
         # libzmq accepts 0 and then fails every TCP bind with "No thread available".
-        raise ValueError(f"io_threads={io_threads!r}: must be None (one per core, at most 4) or at least 1")
+        raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
     sockets.check_port(port)
     return stall_seconds
 

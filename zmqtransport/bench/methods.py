@@ -614,11 +614,13 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-inplace-io2", into_targets=True, options=(("io_threads", 2),)),
         ZmqMethod("zmq-inplace-4s-io2", into_targets=True, streams=4, options=(("io_threads", 2),)),
         ZmqMethod("zmq-inplace-norelay", into_targets=True, relay=False),
-        # Issue 33, direct receives (session direct3): the I/O threads of both sides, named, whatever the default.
+        # Issue 33, direct receives (session direct3): I/O threads (both sides), frame size, credit, prefault threads.
         ZmqMethod("zmq-norelay-io1", into_targets=False, relay=False, options=(("io_threads", 1),)),
         ZmqMethod("zmq-norelay-io2", into_targets=False, relay=False, options=(("io_threads", 2),)),
         ZmqMethod("zmq-norelay-4s-io2", into_targets=False, relay=False, streams=4, options=(("io_threads", 2),)),
         ZmqMethod("zmq-fresh-io1", into_targets=False, options=(("io_threads", 1),)),
+        ZmqMethod("zmq-norelay-c2m", into_targets=False, relay=False, options=(("chunk_bytes", 2 << 20),)),
+        ZmqMethod("zmq-norelay-c4m", into_targets=False, relay=False, options=(("chunk_bytes", 4 << 20),)),
         ZmqMethod("zmq-norelay-w64", into_targets=False, relay=False, options=(("window", 64),)),
         ZmqMethod("zmq-norelay-pf0", into_targets=False, relay=False, options=(("prefault_threads", 0),)),
         ZmqMethod("zmq-norelay-pf1", into_targets=False, relay=False, options=(("prefault_threads", 1),)),
@@ -648,6 +650,8 @@ VARIANTS = frozenset(
         "zmq-norelay-io2",
         "zmq-norelay-4s-io2",
         "zmq-fresh-io1",
+        "zmq-norelay-c2m",
+        "zmq-norelay-c4m",
         "zmq-norelay-w64",
         "zmq-norelay-pf0",
         "zmq-norelay-pf1",
