@@ -69,9 +69,9 @@ def test_what_is_not_a_tcp_connection_reads_as_nothing() -> None:
 
 def test_a_kernel_without_the_chrono_counters_gives_no_reading() -> None:
     assert parse_tcp_info(bytes(TCP_INFO_LAYOUT.size - 8)) is None  # Linux before 4.9: no delivery rate
-    values = [0] * 8 + [0] * 24 + [0, 0, 12345, 0] + [0] * 6 + [7_000_000]
+    values = [0] * 7 + [0b101] + [0] * 24 + [0, 0, 12345, 0] + [0] * 6 + [7_000_000]
     reading = parse_tcp_info(TCP_INFO_LAYOUT.pack(*values) + bytes(112))  # later kernels append fields
-    assert reading == LinkReading(acked=12345, delivery_rate=7e6)
+    assert reading == LinkReading(acked=12345, delivery_rate=7e6, app_limited=True)
 
 
 class FakeRouter:

@@ -4,7 +4,9 @@ Whether a swarm pays depends on whether the source's uplink or its receivers'
 CPUs bound a step (:mod:`.uplink`). The receivers' request cadence cannot tell
 them apart while a swarm runs; the kernel can: per connection it counts the
 bytes the receiver acknowledged (``tcpi_bytes_acked``) and estimates the rate
-the latest flight was delivered at (``tcpi_delivery_rate``). While this side's
+the latest flight was delivered at (``tcpi_delivery_rate``, and whether the
+sender had too little to send for it to say anything of the path,
+``tcpi_delivery_rate_app_limited``). While this side's
 own staged step goes out, :class:`LinkWatch` reads them every
 :data:`READ_EVERY` seconds for the connections it goes out over, and for
 :data:`LINGER` after their transfers end, and hands them, as numbers, to the
@@ -54,7 +56,8 @@ LINGER = 1.0
 # tcpi_bytes_acked, tcpi_bytes_received), 6 u32 (tcpi_segs_out ... tcpi_data_segs_out), 1 u64
 # (tcpi_delivery_rate). Every field lies at its natural alignment, so "=" (no padding) matches.
 TCP_INFO_LAYOUT = struct.Struct("=8B24I4Q6IQ")
-_BYTES_ACKED = 8 + 24 + 2  # field indices in TCP_INFO_LAYOUT
+_APP_LIMITED = 7  # field indices in TCP_INFO_LAYOUT; this byte's lowest bit (the first bitfield)
+_BYTES_ACKED = 8 + 24 + 2
 _DELIVERY_RATE = 8 + 24 + 4 + 6
 _TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
 
@@ -64,7 +67,11 @@ def parse_tcp_info(raw: bytes) -> LinkReading | None:
     if len(raw) < TCP_INFO_LAYOUT.size:
         return None  # a kernel before 4.9: no delivery rate
     fields = TCP_INFO_LAYOUT.unpack_from(raw)
-    return LinkReading(acked=fields[_BYTES_ACKED], delivery_rate=float(fields[_DELIVERY_RATE]))
+    return LinkReading(
+        acked=fields[_BYTES_ACKED],
+        delivery_rate=float(fields[_DELIVERY_RATE]),
+        app_limited=bool(fields[_APP_LIMITED] & 1),
+    )
 
 
 def read_tcp_info(fd: int) -> LinkReading | None:

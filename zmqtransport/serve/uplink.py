@@ -32,16 +32,18 @@ loaded machine it reads below the bound and the swarm stays where it does not
 pay. Where the kernel speaks (Linux TCP_INFO of this side's own data
 connections, read by :mod:`.linkwatch`), it decides instead, from its own
 estimate of each connection's delivery rate (``tcpi_delivery_rate``: the
-bytes of the latest flight over the time they took to be acknowledged). Per
-reading, the connections that carried data since their reading before
-(:data:`MOVED_BYTES`) are summed: connections that share the uplink at once
-each see their share of it. A link-bound uplink gives its rate so (400 Mbit/s,
-three receivers: 40-63 MB/s a reading, half of them); a fast one gives the
-rate a flight crosses it at, even while the receivers' CPUs hold the swarm to
-100-140 MB/s (unshaped, loaded: 9-23 GB/s; docs/fast-links.md, "The kernel's
-view"). The step's measure is the lower quartile of its readings: a shaped
-link's bursts (tbf lets one through at line rate) lift single readings, never
-a quarter of them. Where the kernel's measure is not believed yet
+bytes of the latest flight over the time they took to be acknowledged), where
+that flight was not application-limited (``tcpi_delivery_rate_app_limited``:
+the sender had less to send than the path would take, so the rate says
+nothing of the path; a shaped link lets such a small flight through at line
+rate, tbf's burst). Per reading, the connections that carried data since their
+reading before (:data:`MOVED_BYTES`) are summed: connections that share the
+uplink at once each see their share of it. A link-bound uplink gives its rate
+so (400 Mbit/s, three receivers: 28-46 MB/s a reading in three of four); a
+fast one gives the rate a flight crosses it at, even while the receivers'
+CPUs hold the swarm to 100-140 MB/s (unshaped, loaded: 1.2-6.8 GB/s;
+docs/fast-links.md, "The kernel's view"). The step's measure is the lower
+quartile of its readings. Where the kernel's measure is not believed yet
 (:data:`MIN_BYTES` over :data:`MIN_READINGS`), or nothing could be read (ipc or
 inproc, not Linux, a kernel before 4.9 without the delivery rate), the cadence
 decides as before.
@@ -86,6 +88,7 @@ class LinkReading:
 
     acked: int  # bytes the receiver acknowledged so far (tcpi_bytes_acked)
     delivery_rate: float  # bytes per second of the latest delivered flight (tcpi_delivery_rate)
+    app_limited: bool = False  # that flight was smaller than the path would take (tcpi_delivery_rate_app_limited)
 
 
 class Uplink:
@@ -140,7 +143,7 @@ class Uplink:
                 continue
             moved = reading.acked - before.acked
             self.link_bytes += moved
-            if moved >= MOVED_BYTES:
+            if moved >= MOVED_BYTES and not reading.app_limited:
                 rates.append(reading.delivery_rate)
         if rates:
             self.link_rates.append(sum(rates))
@@ -148,7 +151,7 @@ class Uplink:
     @property
     def link_rate(self) -> float | None:
         """Bytes per second the uplink delivers this step's flights at, as the kernel estimates (the lower
-        quartile of the readings); None: too little measured."""
+        quartile of the readings' sums); None: too little measured."""
         if self.link_bytes < MIN_BYTES or len(self.link_rates) < MIN_READINGS:
             return None
         return sorted(self.link_rates)[len(self.link_rates) // 4]
