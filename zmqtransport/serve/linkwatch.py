@@ -98,30 +98,29 @@ class LinkWatch:
         self._read = read
         self._due = 0.0
         self._step: Staged | None = None
-        self._seen: set[int] = set()  # descriptors read during this step
         self._watched: dict[bytes, float] = {}  # receivers of the step read, and when they last had a transfer
 
     def run(self, now: float) -> None:
-        """Read, if a reading is due (or a connection is new to the step) and this side's own step goes out."""
+        """Read, if a reading is due (or a receiver is new) and this side's own step goes out."""
         scheduler = self._scheduler
         if scheduler.staged is not None and scheduler.staged is not self._step:
             # A new step (the uplink starts its measure afresh). A disallow is none: the step's last
             # bytes still count, as the connections carry them.
-            self._step, self._seen, self._watched = scheduler.staged, set(), {}
+            self._step, self._watched = scheduler.staged, {}
             link, cadence = scheduler.uplink.measured
             if link is not None or cadence is not None:
                 pays = "pays" if scheduler.uplink.judged else "does not pay"
                 message = "the uplink carried the last step at %s (kernel), %s (requests): a swarm %s"
                 logger.debug(message, _rate(link), _rate(cadence), pays)
+        fresh = False  # a receiver new to the watch is read at once: its first reading is its baseline
         for transfer in scheduler.transfers.values():
             if isinstance(transfer.staged, Staged):  # the staged step's, not a relayed one's
+                fresh = fresh or transfer.peer not in self._watched
                 self._watched[transfer.peer] = now
-        descriptors = {fd for peer in self._watched if (fd := self._router.descriptor(peer)) is not None}
-        # A connection new to the step is read at once: its first reading is its baseline.
-        if not descriptors or (now < self._due and descriptors <= self._seen):
+        if not self._watched or (now < self._due and not fresh):
             return
         self._due = now + READ_EVERY
-        self._seen |= descriptors
+        descriptors = {fd for peer in self._watched if (fd := self._router.descriptor(peer)) is not None}
         readings = {fd: reading for fd in descriptors if (reading := self._read(fd)) is not None}
         scheduler.uplink.links(readings)
         # A transfer ends once its last message is handed to libzmq; its connection carries that after,
