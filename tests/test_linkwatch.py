@@ -130,3 +130,21 @@ def test_a_relayed_steps_connections_are_not_the_sources_uplink() -> None:
     router: Any = FakeRouter({b"a": 7})
     LinkWatch(router, scheduler, read=reader).run(0.0)
     assert read == []
+
+
+def test_the_watch_lets_the_serving_thread_sleep_once_its_receivers_are_gone() -> None:
+    """A receiver whose connection closed (no descriptor) is dropped after LINGER like any other: a watch
+    that kept it would have the serving thread wake at once, for ever (a version of this branch spun so)."""
+    scheduler = Scheduler(TIMEOUT)
+    scheduler.stage(staged(messages=64), 0.0)
+    router = FakeRouter({b"a": 7})
+    watch = LinkWatch(router, scheduler, read=lambda fd: LinkReading(0, 0.0))  # type: ignore[arg-type]
+    scheduler.on_request(b"a", fetch(credit=64), "10.0.0.1", 0.0)
+    watch.run(0.0)
+    scheduler.transfers.clear()
+    router.fds.clear()  # the receiver closed its connection
+    now = 0.0
+    while watch.wakeup_in(now) != float("inf"):
+        now += max(watch.wakeup_in(now), 0.001)
+        watch.run(now)
+        assert now <= LINGER + 2 * READ_EVERY, "the watch still wakes the serving thread"
