@@ -5,9 +5,10 @@ Counts, not times: how each receive's data came (``TransferStats.path``), what
 the source's NIC carried and what came from other receivers. Two steps in a
 row from one source: the first, to one receiver, is measured (nothing measured
 yet: it is a swarm member, striped); the second, to three at once, follows the
-measure. (Measured while a swarm of three runs over unshaped links, the
-source's rate is the swarm's, which the CPUs bound: on this loaded machine it
-fell below the bound at times, and the swarm stayed: docs/fast-links.md.)
+measure. The last test is the case the receivers' request cadence misjudged
+(a swarm whose receivers cannot keep up over a fast link is measured at their
+rate): the kernel's delivery rate of the source's connections tells it apart
+(serve/linkwatch.py; docs/fast-links.md, "The kernel's view").
 """
 
 from __future__ import annotations
@@ -133,3 +134,68 @@ def test_the_swarm_engages_only_where_the_sources_uplink_bounds_the_receivers(sh
         assert [o["way"] for o in second] == ["direct"] * RECEIVERS
         assert uploaded[1] >= RECEIVERS * step_bytes, uploaded
         assert from_peers == 0
+
+
+# Receives steps 1 and 2 (each once told), each message landing SLOW_S late (the progress callback
+# sleeps in the receiving thread): receivers that cannot keep up with a fast link, whatever the
+# machine's load. One JSON line per step.
+SLOW_RECEIVER = """
+import json, sys, time, torch
+from datetime import timedelta
+from zmqtransport import ZMQTransport
+mib, slow = int(sys.argv[1]), float(sys.argv[2])
+transport = ZMQTransport(timedelta(seconds=40), progress=lambda done, total: time.sleep(slow))
+metadata = sys.stdin.readline().strip()
+for step in (1, 2):
+    if step == 2:
+        sys.stdin.readline()
+    got = transport.recv_checkpoint(0, metadata, step, timedelta(seconds=40))
+    exact = all(got[f"w{i}"].eq(float(i)).all().item() for i in range(mib))
+    stats = transport.last_recv_stats
+    print(json.dumps({"way": stats.path, "paths": stats.paths, "exact": exact}), flush=True)
+transport.shutdown(wait=False)
+"""
+SLOW_MIB = 64
+SLOW_S = 0.02  # per message (1 MiB here): at most 50 MB/s a receiver, a swarm's cadence under the bound
+
+
+@pytest.mark.system
+@needs_lab
+@pytest.mark.parametrize("shaped", [True, False], ids=["400mbit", "unshaped"])
+def test_a_swarm_of_receivers_that_cannot_keep_up_steps_aside_only_where_the_link_is_fast(shaped: bool) -> None:
+    """The case the request cadence misjudged: a step sent to a swarm is measured at the swarm's rate,
+    which slow receivers hold under the bound over a fast link too. The kernel's delivery rate of the
+    source's connections tells the link's rate apart (serve/linkwatch.py): unshaped, the next step is
+    served directly; at 400 Mbit/s the swarm engages again."""
+    step_bytes = SLOW_MIB << 20
+    with Lab(hosts=RECEIVERS + 1, nics=1, rate_mbit=400, shaped=shaped) as lab:
+        sender = lab_python(lab, 0, SENDER, lab.address(0), str(SLOW_MIB), str(RECEIVERS), stderr=False)
+        receivers = [lab_python(lab, host, SLOW_RECEIVER, str(SLOW_MIB), str(SLOW_S)) for host in range(1, 4)]
+        source = _read(sender)
+        assert source, "the sender did not start"
+        steps: list[list[dict[str, Any]]] = []
+        uploaded: list[int] = []
+        for step in (1, 2):
+            if step == 2:
+                _tell(sender, "")
+                assert _read(sender) == "staged"
+            before = lab.tx_bytes(0)
+            for receiver in receivers:
+                _tell(receiver, source if step == 1 else "")
+            steps.append([json.loads(_read(receiver)) for receiver in receivers])
+            uploaded.append(lab.tx_bytes(0) - before)
+        for receiver in receivers:
+            assert receiver.wait(TIMEOUT_S) == 0
+        _tell(sender, "")
+        assert sender.wait(30) == 0
+    assert all(o["exact"] and sum(o["paths"].values()) == step_bytes for step in steps for o in step), steps
+    # Nothing measured yet: a swarm, over either link; the source uploads about the state once.
+    assert [o["way"] for o in steps[0]] == ["swarm"] * RECEIVERS, steps
+    assert uploaded[0] < 2 * step_bytes, uploaded
+    ways = [o["way"] for o in steps[1]]
+    if shaped:
+        assert ways == ["swarm"] * RECEIVERS, steps
+        assert uploaded[1] < 2 * step_bytes, uploaded
+    else:
+        assert ways == ["direct"] * RECEIVERS, steps
+        assert uploaded[1] >= RECEIVERS * step_bytes, uploaded

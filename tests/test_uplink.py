@@ -9,7 +9,7 @@ from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.serve.actions import SendHeader
 from zmqtransport.serve.scheduler import Scheduler
 from zmqtransport.serve.staged import Staged
-from zmqtransport.serve.uplink import IDLE_GAP, MIN_BYTES, SWARM_BELOW, Uplink
+from zmqtransport.serve.uplink import IDLE_GAP, MIN_BYTES, SWARM_BELOW, LinkReading, Uplink
 
 from .test_scheduler import STEP, TIMEOUT, credit, fetch, staged
 
@@ -116,3 +116,104 @@ def test_the_source_measures_its_steps_by_what_receivers_ask_for() -> None:
         scheduler.on_request(b"a", credit(1, 8), "10.0.0.1", now)
     assert scheduler.uplink.rate == pytest.approx(100e6, rel=0.15)
     assert scheduler.uplink.swarm_pays()
+
+
+# ----------------------------------------------------------------------------- the kernel's measure (TCP_INFO)
+
+
+def read_links(uplink: Uplink, readings: int, rates: list[float], acked_per_reading: int = 4 * MIB) -> None:
+    """``readings`` readings of ``len(rates)`` connections that each carried ``acked_per_reading`` since
+    the reading before, the kernel estimating the delivery rates ``rates`` (a baseline reading first)."""
+    for tick in range(readings + 1):
+        uplink.links({fd: LinkReading(tick * acked_per_reading, rate) for fd, rate in enumerate(rates)})
+
+
+# Readings of the source's connections in the lab while a swarm of three ran (docs/fast-links.md, "The
+# kernel's view"), in round numbers: at 400 Mbit/s each connection delivers a third of the uplink's
+# 50 MB/s; unshaped with the machine loaded, a flight crosses the veth at GB/s, though the members'
+# CPUs hold the swarm's cadence under the bound.
+SHAPED = [16e6, 16e6, 17e6]
+UNSHAPED_LOADED = [0.9e9, 1.4e9, 0.6e9]
+
+
+def test_the_kernel_tells_a_link_bound_uplink_from_cpu_bound_receivers_where_the_cadence_cannot() -> None:
+    shaped, fast = Uplink(), Uplink()
+    feed(shaped, 48e6, 4 * MIN_BYTES)
+    feed(fast, 114e6, 4 * MIN_BYTES)  # what the cadence measured of such a swarm: under the bound
+    assert fast.cadence_rate is not None and fast.cadence_rate < SWARM_BELOW
+    read_links(shaped, 10, SHAPED)
+    read_links(fast, 10, UNSHAPED_LOADED)
+    # Connections that share the uplink at once each see their share: summed, they give the uplink's rate.
+    assert shaped.link_rate == pytest.approx(49e6)
+    assert shaped.swarm_pays()
+    assert fast.link_rate == pytest.approx(2.9e9)
+    assert not fast.swarm_pays()
+
+
+def test_flights_too_small_to_fill_the_path_say_nothing_of_it() -> None:
+    uplink = Uplink()
+    read_links(uplink, 12, SHAPED)
+    # tbf lets a small flight through at line rate: the kernel marks such samples application-limited.
+    for _ in range(20):
+        uplink.links({0: LinkReading(uplink._links[0].acked + MIB, 2.4e9, app_limited=True)})
+    assert uplink.link_rate == pytest.approx(49e6)
+    assert uplink.swarm_pays()
+
+
+def test_a_few_fast_readings_do_not_make_a_slow_link_fast() -> None:
+    uplink = Uplink()
+    read_links(uplink, 12, SHAPED)
+    for _ in range(3):  # fewer than a quarter of the readings
+        uplink.links({0: LinkReading(uplink._links[0].acked + MIB, 2.4e9)})
+    assert uplink.link_rate is not None and uplink.link_rate < 60e6
+    assert uplink.swarm_pays()
+
+
+def test_connections_that_carried_no_data_since_their_reading_before_do_not_count() -> None:
+    uplink = Uplink()
+    # Connection 1 carries the data at 45 MB/s; 2 carried a digest answer (a small flight's rate).
+    for tick in range(8):
+        uplink.links({1: LinkReading(tick * 8 * MIB, 45e6), 2: LinkReading(tick * 1000, 400e6)})
+    assert uplink.link_rate == pytest.approx(45e6)
+
+
+def test_the_kernels_measure_once_believed_judges_before_the_cadence() -> None:
+    uplink = Uplink()
+    feed(uplink, 100e6, 4 * MIN_BYTES)  # the cadence alone engages the swarm
+    uplink.links({3: LinkReading(0, 0.0)})  # a baseline: nothing measured by the kernel yet
+    assert uplink.rate == pytest.approx(100e6)
+    assert uplink.swarm_pays()
+    read_links(uplink, 8, [2e9])
+    assert uplink.rate == pytest.approx(2e9)
+    assert not uplink.swarm_pays()
+
+
+def test_too_few_readings_or_bytes_keep_the_last_judgement_and_a_new_step_measures_afresh() -> None:
+    uplink = Uplink()
+    read_links(uplink, 10, SHAPED)
+    uplink.new_step()
+    assert uplink.judged is True and uplink.measured[0] == pytest.approx(49e6)
+    assert uplink.link_rates == [] and uplink.link_bytes == 0
+    read_links(uplink, 2, [5e9], acked_per_reading=MIN_BYTES)  # enough bytes, too few readings
+    assert uplink.link_rate is None and uplink.swarm_pays()
+    uplink.new_step()
+    read_links(uplink, 6, [5e9], acked_per_reading=MIB)  # enough readings, too few bytes
+    assert uplink.link_rate is None and uplink.swarm_pays()
+
+
+def test_a_reused_descriptor_starts_a_new_baseline() -> None:
+    uplink = Uplink()
+    uplink.links({5: LinkReading(500 * MIB, 1e9)})  # a connection of an earlier step
+    uplink.links({5: LinkReading(10 * MIB, 40e6)})  # closed; a new one got its descriptor
+    assert uplink.link_bytes == 0 and uplink.link_rates == []
+    uplink.links({5: LinkReading(20 * MIB, 40e6)})
+    assert uplink.link_bytes == 10 * MIB and uplink.link_rates == [40e6]
+
+
+def test_a_connection_read_only_now_and_then_is_counted_from_its_reading_before() -> None:
+    uplink = Uplink()
+    uplink.links({1: LinkReading(0, 0.0), 2: LinkReading(0, 0.0)})
+    uplink.links({1: LinkReading(50 * MIB, 30e6)})  # connection 2 had no transfer running
+    uplink.links({1: LinkReading(100 * MIB, 20e6), 2: LinkReading(100 * MIB, 25e6)})
+    assert uplink.link_bytes == 200 * MIB
+    assert uplink.link_rates == [30e6, 45e6]

@@ -102,6 +102,10 @@ class Router:
             address = self._addresses[peer] = _peer_address(frames[-1])
             yield peer, address, frames[1:]
 
+    def descriptor(self, peer: bytes) -> int | None:
+        """The descriptor of the connection ``peer``'s requests came on (libzmq's: never close it)."""
+        return self._peer_fds.get(peer)
+
     def address_of(self, peer: bytes) -> str:
         """The address ``peer``'s requests came from (for logs)."""
         return self._addresses.get(peer, "unknown peer")

@@ -46,6 +46,7 @@ from .actions import Refuse
 from .digests import DigestWork
 from .disallows import Disallows, SnapshotTaken
 from .frames import QUEUED_COPIES, HeldFrames
+from .linkwatch import LinkWatch
 from .notices import Notices
 from .outbox import Outbox, SentLog
 from .pump import DataPump
@@ -192,6 +193,7 @@ class Server:
         self._hashing_due = False  # digest requests have bytes left to hash now
         self._sent = SentLog()
         self._outbox = Outbox(self._router, self._scheduler, self._sent, self._notices)
+        self._links = LinkWatch(self._router, self._scheduler)  # the kernel's view of the uplink
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"zmqtransport-serve-{self.port}", daemon=True)
         self._thread.start()
@@ -294,6 +296,7 @@ class Server:
                     self._drop_disconnected()
                 if self._router.socket in events:
                     self._read_requests()
+                self._links.run(time.monotonic())  # before the pump: a new transfer's baseline precedes its data
                 self._outbox.execute(self._pump.run())
                 self._hashing_due = self._digests.run()
                 if self._housekeeping():
@@ -306,7 +309,7 @@ class Server:
     def _poll_timeout_ms(self) -> int:
         self._scheduler.relaying.mark_awaited(self._scheduler.transfers.values())  # first: see RelayDuty.landed
         now = time.monotonic()
-        seconds = 0.0 if self._hashing_due else self._scheduler.wakeup_in(now)
+        seconds = 0.0 if self._hashing_due else min(self._scheduler.wakeup_in(now), self._links.wakeup_in(now))
         held = self._held.wakeup_in(now)
         if held is not None:
             seconds = min(seconds, held)

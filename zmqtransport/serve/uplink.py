@@ -25,10 +25,37 @@ The judgement is the step's own once it has :data:`MIN_BYTES` over
 :data:`MIN_SECONDS`, otherwise the last such step's, otherwise (nothing
 measured yet) the swarm engages: where the uplink is slow it matters most.
 
-Pure: the caller (the scheduler, in the serving thread) passes the time.
+That cadence has a blind spot: a step sent to a swarm is measured at the
+swarm's rate, and where the links are fast the members' CPUs bound that
+(relaying costs a member about 2.9 times a direct receive's CPU), so on a
+loaded machine it reads below the bound and the swarm stays where it does not
+pay. Where the kernel speaks (Linux TCP_INFO of this side's own data
+connections, read by :mod:`.linkwatch`), it decides instead, from its own
+estimate of each connection's delivery rate (``tcpi_delivery_rate``: the
+bytes of the latest flight over the time they took to be acknowledged), where
+that flight was not application-limited (``tcpi_delivery_rate_app_limited``:
+the sender had less to send than the path would take, so the rate says
+nothing of the path; a shaped link lets such a small flight through at line
+rate, tbf's burst). Per reading, the connections that carried data since their
+reading before (:data:`MOVED_BYTES`) are summed: connections that share the
+uplink at once each see their share of it. A link-bound uplink gives its rate
+so (400 Mbit/s, three receivers: 28-46 MB/s a reading in three of four); a
+fast one gives the rate a flight crosses it at, even while the receivers'
+CPUs hold the swarm to 100-140 MB/s (unshaped, loaded: 1.2-6.8 GB/s;
+docs/fast-links.md, "The kernel's view"). The step's measure is the lower
+quartile of its readings. Where the kernel's measure is not believed yet
+(:data:`MIN_BYTES` over :data:`MIN_READINGS`), or nothing could be read (ipc or
+inproc, not Linux, a kernel before 4.9 without the delivery rate), the cadence
+decides as before.
+
+Pure: the caller (the scheduler and the serving thread) passes the time and the
+kernel's counters as numbers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 # Bytes per second of the source's uplink, all receivers together, from which it
 # feeds receivers directly: 1.2 Gbit/s. Measured in the lab: a shaped uplink
@@ -47,6 +74,21 @@ IDLE_GAP = 1.0
 # What a measure needs before it is believed: bytes, and seconds of receivers asking.
 MIN_BYTES = 32 << 20
 MIN_SECONDS = 0.05
+# Bytes a connection must have carried since its reading before for its delivery rate to count in a
+# reading: a sample of data going out, not of a reply or a digest answer (those flights are small and
+# their rate tells nothing of the link).
+MOVED_BYTES = 64 << 10
+# Readings a kernel measure needs before it is believed, besides MIN_BYTES acknowledged.
+MIN_READINGS = 3
+
+
+@dataclass(frozen=True)
+class LinkReading:
+    """One data connection's counters as the kernel keeps them (Linux ``struct tcp_info``)."""
+
+    acked: int  # bytes the receiver acknowledged so far (tcpi_bytes_acked)
+    delivery_rate: float  # bytes per second of the latest delivered flight (tcpi_delivery_rate)
+    app_limited: bool = False  # that flight was smaller than the path would take (tcpi_delivery_rate_app_limited)
 
 
 class Uplink:
@@ -59,12 +101,18 @@ class Uplink:
         self.seconds = 0.0  # between requests
         self._last: float | None = None  # the latest request
         self._sent_then = 0  # what had been sent at the latest request
+        self.link_bytes = 0  # of this step, acknowledged, as the kernel counts
+        self.link_rates: list[float] = []  # per reading of this step: the sum of the moving connections' rates
+        self._links: dict[int, LinkReading] = {}  # the latest reading per connection, of this step
         self.judged: bool | None = None  # the last believed judgement: whether a swarm pays
+        self.measured: tuple[float | None, float | None] = (None, None)  # the last step's (link, cadence) rates
 
     def new_step(self) -> None:
         """A new step is staged: a fresh measure (the last judgement stays until it has one)."""
         self._settle()
+        self.measured = (self.link_rate, self.cadence_rate)
         self.sent_bytes, self.bytes, self.seconds, self._last, self._sent_then = 0, 0, 0.0, None, 0
+        self.link_bytes, self.link_rates, self._links = 0, [], {}
 
     def requested(self, now: float) -> None:
         """A receiver asked for data of the step (a fetch, a span fetch, credit)."""
@@ -79,12 +127,48 @@ class Uplink:
         """``nbytes`` of the step went out (to libzmq)."""
         self.sent_bytes += nbytes
 
+    def links(self, readings: Mapping[int, LinkReading]) -> None:
+        """The kernel's counters of connections the step goes out over, by connection (descriptor), read now.
+
+        What changed since the connection's reading before, within this step,
+        counts: its first reading is its baseline, and a count that went down is
+        a new connection on a reused descriptor (a new baseline). A connection
+        need not be read every time (a swarm member's span fetches come and go).
+        """
+        rates = []
+        for key, reading in readings.items():
+            before = self._links.get(key)
+            self._links[key] = reading
+            if before is None or reading.acked < before.acked:
+                continue
+            moved = reading.acked - before.acked
+            self.link_bytes += moved
+            if moved >= MOVED_BYTES and not reading.app_limited:
+                rates.append(reading.delivery_rate)
+        if rates:
+            self.link_rates.append(sum(rates))
+
     @property
-    def rate(self) -> float | None:
-        """Bytes per second the uplink carried this step at so far (None: too little measured)."""
+    def link_rate(self) -> float | None:
+        """Bytes per second the uplink delivers this step's flights at, as the kernel estimates (the lower
+        quartile of the readings' sums); None: too little measured."""
+        if self.link_bytes < MIN_BYTES or len(self.link_rates) < MIN_READINGS:
+            return None
+        return sorted(self.link_rates)[len(self.link_rates) // 4]
+
+    @property
+    def cadence_rate(self) -> float | None:
+        """Bytes per second the uplink carried this step at so far, by the receivers' requests."""
         if self.bytes < MIN_BYTES or self.seconds < MIN_SECONDS:
             return None
         return self.bytes / self.seconds
+
+    @property
+    def rate(self) -> float | None:
+        """The rate this step's judgement follows (None: too little measured): the kernel's once believed,
+        otherwise the receivers' cadence."""
+        link = self.link_rate
+        return link if link is not None else self.cadence_rate
 
     def swarm_pays(self) -> bool:
         """Whether receivers that offer to relay should form a swarm."""
