@@ -636,7 +636,7 @@ class ReceivePlanner:
             stall = self.terms.stall_timeout
             if stall is not None and silent >= stall:
                 actions += self._drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
-            elif lane.token is not None and silent >= max(QUIET_FIRST, self.book.quiet_after(index)):
+            elif lane.token is not None and silent >= QUIET_FIRST and silent >= self.book.quiet_after(index):
                 # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
                 actions += self._drop_peer(lane.peer, f"sent nothing for {silent:.2g} s of what it holds")
         for peer in self.book.unbacked(now):  # claims are hints with deadlines (fetch/claims.py)

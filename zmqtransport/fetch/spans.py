@@ -47,10 +47,11 @@ set operation a few microseconds.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..bitsets import lowest, lowest_from, run, run_length
-from .claims import Holdings, claim_bound
+from .claims import CLAIM_FLOOR, Holdings, claim_bound
 from .registry import Registry
 
 # Bytes per span: small enough that a lost path's outstanding work is a few
@@ -197,6 +198,22 @@ class Reservations:
         return self.open and not self.bits & free
 
 
+class _Streams(list[_Stream]):
+    """A receive's streams by index, and by peer: a pass of the planner asks about each peer's streams
+    (their pace, the source's paths), and with 64 peers a receive has over a hundred streams."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_peer: dict[int, list[_Stream]] = {}
+
+    def append(self, state: _Stream) -> None:
+        super().append(state)
+        self._by_peer.setdefault(state.peer, []).append(state)
+
+    def of(self, peer: int) -> list[_Stream]:
+        return self._by_peer.get(peer, [])
+
+
 def _peer_pace(streams: list[_Stream], peer: int, now: float, source_time: float) -> float | None:
     """The best measured pace of ``peer``'s live ``streams`` (None: none measured yet; inf: none serving);
     ``source_time`` as for :meth:`_Stream.quiet_after`.
@@ -211,6 +228,27 @@ def _peer_pace(streams: list[_Stream], peer: int, now: float, source_time: float
         return math.inf
     measured = [pace for pace in (state.pace() for state in serving) if pace]
     return min(measured) if measured else None
+
+
+def _victim(
+    spans: Iterable[Span], streams: list[_Stream], landed: bytearray, stream: int, held: int, now: float,
+    source_time: float,
+) -> Span | None:
+    """The unfinished span of another stream than ``stream`` (whose peer holds ``held``) that it should take
+    over, if any (see the module docstring); ``source_time`` as for :meth:`_Stream.quiet_after`."""
+    mine = streams[stream].pace()
+    best: Span | None = None
+    best_score = 0.0
+    for span in spans:
+        if span.stream == stream or span.taken_at is not None or span.next >= span.stop:
+            continue  # (taken over, or finished: the properties, inlined in this walk of every span)
+        first = _first_missing(landed, span.next, span.stop)
+        if first >= span.stop or not held >> first & 1:
+            continue
+        score = streams[span.stream].takeover_score(span, span.stop - first, mine, now, source_time)
+        if score > best_score:
+            best, best_score = span, score
+    return best
 
 
 def _bit(seq: int) -> int:
@@ -259,7 +297,7 @@ class SpanBook:
         self.landed = bytearray(messages)
         self.missing = messages  # messages not LANDED
         self.registry = registry if registry is not None else Registry()
-        self._streams: list[_Stream] = []
+        self._streams = _Streams()
         self._all = (1 << messages) - 1
         self._holds = Holdings(self._all, SOURCE)
         self._wanted = self._all  # not landed
@@ -317,7 +355,9 @@ class SpanBook:
         for state in self._streams:
             if state.last_data is not None:
                 holds.delivered(state.peer, state.last_data)
-        paces = {p: _peer_pace(self._streams, p, now, source_time) for p in holds.coming}
+        # A bound is at least CLAIM_FLOOR: a peer backed more recently is not judged (its pace is not needed).
+        judged = [p for p in holds.coming if now - holds.backed.get(p, now) >= CLAIM_FLOOR]
+        paces = {p: _peer_pace(self._streams.of(p), p, now, source_time) for p in judged}
         return [p for p, pace in paces.items() if holds.unbacked(p, self._wanted, now, claim_bound(source_time, pace))]
 
     def wants_claim(self) -> bool:
@@ -350,7 +390,7 @@ class SpanBook:
         if choice is not None:
             first, stop = choice
             return self._open(xfer, stream, first, stop, now)
-        victim = self._victim(stream, held, now)
+        victim = _victim(self.registry.of(Span), self._streams, self.landed, stream, held, now, self._source_time())
         if victim is None:
             return None
         victim.taken_at = now
@@ -452,7 +492,7 @@ class SpanBook:
 
     def _source_time(self) -> float:
         """Seconds a message takes from the source here: the slowest of its live paths (0: none known)."""
-        times = [s.message_time() for s in self._streams if s.peer == SOURCE and s.data and not s.lost]
+        times = [s.message_time() for s in self._streams.of(SOURCE) if s.data and not s.lost]
         return max(times, default=0.0)
 
     def pace(self, stream: int) -> float | None:
@@ -506,7 +546,7 @@ class SpanBook:
         for other, held in self._holds.held.items():
             if other == peer or held is None:
                 continue
-            pace = _peer_pace(self._streams, other, now, source_time)
+            pace = _peer_pace(self._streams.of(other), other, now, source_time)
             if pace is math.inf:
                 continue  # no stream left to it, or every one gone quiet: it serves nobody now
             theirs = held | self._holds.coming.get(other, 0)
@@ -542,23 +582,6 @@ class SpanBook:
             return None
         start = lowest_from(pool, self.offset)
         return start, start + run_length(candidates, start, min(size, self.messages - start))
-
-    def _victim(self, stream: int, held: int, now: float) -> Span | None:
-        """The unfinished span of another stream this one should take over, if any (see the module docstring)."""
-        mine = self.pace(stream)
-        source_time = self._source_time()
-        best: Span | None = None
-        best_score = 0.0
-        for span in self.registry.of(Span):
-            if span.stream == stream or span.taken_over or span.finished:
-                continue
-            first = _first_missing(self.landed, span.next, span.stop)
-            if first >= span.stop or not held >> first & 1:
-                continue
-            score = self._streams[span.stream].takeover_score(span, span.stop - first, mine, now, source_time)
-            if score > best_score:
-                best, best_score = span, score
-        return best
 
     def _open(self, xfer: int, stream: int, first: int, stop: int, now: float) -> Span:
         span = Span(xfer, stream, first, stop, first, now)
