@@ -280,10 +280,11 @@ class Outgoing:
     def _spans(self, now: float) -> list[Action]:
         plan, actions = self.plan, list[Action]()
         book, terms = plan.book, plan.terms
+        takeovers = book.takeovers(now)
         for index, lane in enumerate(plan.lanes):
             if lane.gone:
                 continue
-            while (span := book.assign(index, self.new_xfer(), now)) is not None:
+            while (span := book.assign(index, self.new_xfer(), now, takeovers)) is not None:
                 logger.debug("asking %s for messages %d..%d", lane.endpoint, span.first, span.stop)
                 request = span_request(span.xfer, span.first, span.stop, terms, lane.token, now)
                 actions.append(Send(index, span.xfer, request))

@@ -163,17 +163,6 @@ class _Stream:
         owed = [span for span in self.spans if not span.finished]
         return any(now - self.silent_since(span) >= self.quiet_after(source_time) for span in owed)
 
-    def takeover_score(self, span: Span, rest: int, mine: float | None, now: float, source_time: float) -> float:
-        """How much taking over the ``rest`` messages of its ``span`` is worth to a stream of pace ``mine``:
-        its silence when it is quiet, the time the rest would still take when it is much slower (0: not)."""
-        silence = now - self.silent_since(span)
-        if silence >= self.quiet_after(source_time):
-            return silence
-        theirs = self.pace()
-        # A pace of 0 (messages drained from the socket at once) measures nothing.
-        if mine and theirs is not None and theirs > FASTER_BY * mine:
-            return rest * theirs
-        return 0.0
 
 
 class Reservations:
@@ -230,25 +219,55 @@ def _peer_pace(streams: list[_Stream], peer: int, now: float, source_time: float
     return min(measured) if measured else None
 
 
-def _victim(
-    spans: Iterable[Span], streams: list[_Stream], landed: bytearray, stream: int, held: int, now: float,
-    source_time: float,
-) -> Span | None:
-    """The unfinished span of another stream than ``stream`` (whose peer holds ``held``) that it should take
-    over, if any (see the module docstring); ``source_time`` as for :meth:`_Stream.quiet_after`."""
-    mine = streams[stream].pace()
-    best: Span | None = None
-    best_score = 0.0
-    for span in spans:
-        if span.stream == stream or span.taken_at is not None or span.next >= span.stop:
-            continue  # (taken over, or finished: the properties, inlined in this walk of every span)
-        first = _first_missing(landed, span.next, span.stop)
-        if first >= span.stop or not held >> first & 1:
-            continue
-        score = streams[span.stream].takeover_score(span, span.stop - first, mine, now, source_time)
-        if score > best_score:
-            best, best_score = span, score
-    return best
+class Takeovers:
+    """The spans another stream might take over (see the module docstring), gathered once for a pass over
+    every stream at one ``now`` (:meth:`SpanBook.takeovers`): with 64 peers a receive has a hundred spans
+    out and a hundred streams, and each idle stream looked at every span. Within a pass nothing arrives,
+    so what makes a span worth taking over holds; spans opened in the pass join (:meth:`add`), and one
+    taken over is skipped from then on."""
+
+    def __init__(
+        self, streams: list[_Stream], landed: bytearray, spans: Iterable[Span], now: float, source_time: float
+    ) -> None:
+        self.streams, self.landed, self.now, self.source_time = streams, landed, now, source_time
+        # Each candidate: the span, its first missing message, its silence if it is quiet (else 0), its pace.
+        self.entries: list[tuple[Span, int, float, float | None]] = []
+        self.quiet = False  # some span is quiet: worth taking over whatever the taker's pace
+        self.slowest = 0.0  # the slowest measured pace among the candidates' streams
+        for span in spans:
+            self.add(span)
+
+    def add(self, span: Span) -> None:
+        if span.taken_over or span.finished:
+            return
+        first = _first_missing(self.landed, span.next, span.stop)
+        if first >= span.stop:
+            return
+        state = self.streams[span.stream]
+        silence = self.now - state.silent_since(span)
+        quiet = silence if silence >= state.quiet_after(self.source_time) else 0.0
+        pace = state.pace()
+        self.entries.append((span, first, quiet, pace))
+        self.quiet = self.quiet or quiet > 0
+        self.slowest = max(self.slowest, pace or 0.0)
+
+    def victim(self, stream: int, held: int) -> Span | None:
+        """The span ``stream`` (whose peer holds ``held``) should take over, if any: the one whose rest is
+        worth most, its silence when it is quiet, else the time its rest would still take when its stream
+        is :data:`FASTER_BY` slower than this one (a pace of 0, messages drained at once, measures nothing)."""
+        mine = self.streams[stream].pace()
+        if not self.quiet and not (mine and self.slowest > FASTER_BY * mine):
+            return None  # no candidate is worth anything to this stream
+        best: Span | None = None
+        best_score = 0.0
+        for span, first, quiet, theirs in self.entries:
+            if span.stream == stream or span.taken_at is not None or not held >> first & 1:
+                continue
+            slower = bool(mine) and theirs is not None and theirs > FASTER_BY * (mine or 0.0)
+            score = quiet or ((span.stop - first) * (theirs or 0.0) if slower else 0.0)
+            if score > best_score:
+                best, best_score = span, score
+        return best
 
 
 def _bit(seq: int) -> int:
@@ -379,8 +398,13 @@ class SpanBook:
         if up:
             state.interrupted = False
 
-    def assign(self, stream: int, xfer: int, now: float) -> Span | None:
-        """The next span for ``stream`` to ask for under ``xfer``, or None (it is full, down, or nothing is due)."""
+    def takeovers(self, now: float) -> Takeovers:
+        """What :meth:`assign` weighs for a takeover, gathered once for a pass over every stream at ``now``."""
+        return Takeovers(self._streams, self.landed, self.registry.of(Span), now, self._source_time())
+
+    def assign(self, stream: int, xfer: int, now: float, takeovers: Takeovers | None = None) -> Span | None:
+        """The next span for ``stream`` to ask for under ``xfer``, or None (it is full, down, or nothing is due);
+        ``takeovers``: :meth:`takeovers` at ``now``, for a pass that asks every stream in turn."""
         state = self._streams[stream]
         depth = self.depth if state.peer == SOURCE else self.peer_depth
         if state.lost or not state.up or not state.data or len(state.spans) >= depth:
@@ -389,14 +413,14 @@ class SpanBook:
         choice = self._choose(stream, self._free & held, now)
         if choice is not None:
             first, stop = choice
-            return self._open(xfer, stream, first, stop, now)
-        victim = _victim(self.registry.of(Span), self._streams, self.landed, stream, held, now, self._source_time())
+            return self._open(xfer, stream, first, stop, now, takeovers)
+        victim = (takeovers or self.takeovers(now)).victim(stream, held)
         if victim is None:
             return None
         victim.taken_at = now
         first = _first_missing(self.landed, victim.next, victim.stop)
         stop = first + run_length(self._wanted & held, first, victim.stop - first)
-        return self._open(xfer, stream, first, stop, now)
+        return self._open(xfer, stream, first, stop, now, takeovers)
 
     def on_data(self, xfer: int, seq: int, now: float, held: bool = False) -> bool | None:
         """A data message arrived. True: land it; False: a duplicate, drop it; None: no such span (cancelled).
@@ -583,9 +607,11 @@ class SpanBook:
         start = lowest_from(pool, self.offset)
         return start, start + run_length(candidates, start, min(size, self.messages - start))
 
-    def _open(self, xfer: int, stream: int, first: int, stop: int, now: float) -> Span:
+    def _open(self, xfer: int, stream: int, first: int, stop: int, now: float, takeovers: Takeovers | None) -> Span:
         span = Span(xfer, stream, first, stop, first, now)
         self.registry.add(span)
+        if takeovers is not None:
+            takeovers.add(span)
         self._streams[stream].spans.append(span)
         self._free &= ~run(first, stop)
         return span
