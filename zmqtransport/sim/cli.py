@@ -159,6 +159,7 @@ def simulate(
         "survivors": len(survivors),
         "failed": sum(1 for r in rows if r["failed"]),
         "duplicates": c.duplicates,
+        "planner_passes_per_receiver": round(c.planner_passes / receivers, 1),
         "source_cpu_s": round(source_host.cpu, 4),
         "max_receiver_cpu_s": round(max((r["cpu_s"] for r in rows), default=0.0), 4),
         "simulated_s": round(loop.now, 4),
