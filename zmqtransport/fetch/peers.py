@@ -138,7 +138,7 @@ class Peers:
                 if self.own_token is not None:
                     turns[SOURCE] = max(self.source_from, -math.inf if claim else self._next_ask.get(SOURCE, -math.inf))
                 continue
-            turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * self._spread() * (
+            turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * self.spread() * (
                 peer in busy
             )
         return turns
@@ -147,12 +147,13 @@ class Peers:
         """Question ``xfer`` goes to ``peer`` (to the source: with a ``claim``, or not)."""
         question = Question(xfer, peer, now, self._next_ask.get(peer, -math.inf), claim)
         self.registry.add(question)
-        self._next_ask[peer] = now + (MEMBERS_EVERY if peer == SOURCE else HAVE_EVERY * self._spread())
+        self._next_ask[peer] = now + (MEMBERS_EVERY if peer == SOURCE else HAVE_EVERY * self.spread())
         return question
 
-    def _spread(self) -> float:
-        """How many times less often than :data:`HAVE_EVERY` (and :data:`HAVE_REFRESH`) each peer is asked:
-        the peers not dropped over :data:`HAVE_PEERS`, at least 1."""
+    def spread(self) -> float:
+        """The peers not dropped over :data:`HAVE_PEERS`, at least 1: how many times less often than
+        :data:`HAVE_EVERY` (and :data:`HAVE_REFRESH`) each peer is asked, and how many times longer than
+        :data:`~.spans.QUIET_FIRST` a peer may be silent before it is dropped (each serves that many more)."""
         return max(1.0, (len(self.tokens) - len(self._dropped)) / HAVE_PEERS)
 
     def unasked(self, xfer: int) -> None:
