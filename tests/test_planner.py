@@ -294,7 +294,7 @@ def test_in_a_large_swarm_a_silent_peer_is_dropped_later() -> None:
     known = [("tcp://peer:1", PEER_TOKEN)] + [(f"tcp://m{n}:1", bytes([n + 1]) * 16) for n in range(4 * HAVE_PEERS - 1)]
     net = planner(messages=8, span=4, swarm=Swarm(None, known))
     net.carry_out(net.plan.start())
-    source = net.add()
+    net.add()  # the source
     peer = net.add(1, PEER_TOKEN)
     net.tick()
     have(net, peer, 0xFF)
