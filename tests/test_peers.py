@@ -133,3 +133,31 @@ def test_questions_go_over_question_connections_and_the_sources_in_turn() -> Non
     send(MEMBERS_EVERY + 0.001)
     assert {"source-q0", "source-q1"} <= set(sent)  # the next question to the source: over its other path
     assert "source-data" not in sent and "peer-data" not in sent
+
+
+def test_past_have_peers_each_peer_is_asked_less_often_so_a_member_asks_as_many_questions() -> None:
+    # A job start of 64 to 256 replica groups: every member knows up to 128 peers. Asking each every
+    # HAVE_EVERY made a member's `have` questions (and its peers' answers) grow with N (the model at 32
+    # receivers: 1084 questions to members per receiver, at 16: 419).
+    from zmqtransport.fetch.peers import HAVE_PEERS, HAVE_REFRESH
+
+    def asked_again(members: int, busy: bool) -> float:
+        tokens = [bytes([1 + n % 250, n // 250]) * 8 for n in range(members)]
+        peers = Peers(None, [(f"tcp://m{n}:1", token) for n, token in enumerate(tokens)])
+        peers.learn()
+        peers.asking(1, 7, 0.0)
+        peers.answered(7)
+        return peers.next_due({1}, busy={1} if busy else set())
+
+    assert asked_again(HAVE_PEERS, busy=False) == HAVE_EVERY  # up to HAVE_PEERS: as before
+    assert asked_again(HAVE_PEERS, busy=True) == HAVE_REFRESH
+    assert math.isclose(asked_again(4 * HAVE_PEERS, busy=False), 4 * HAVE_EVERY)
+    assert math.isclose(asked_again(4 * HAVE_PEERS, busy=True), 4 * HAVE_REFRESH)
+    many = [bytes([1 + n % 250, n // 250]) * 8 for n in range(2 * HAVE_PEERS)]
+    peers = Peers(None, [(f"tcp://m{n}:1", token) for n, token in enumerate(many)])
+    peers.learn()
+    for peer in range(2, HAVE_PEERS + 2):  # half dropped: the rest are asked at the rates of HAVE_PEERS
+        peers.drop(peer)
+    peers.asking(1, 7, 0.0)
+    peers.answered(7)
+    assert peers.next_due({1}) == HAVE_EVERY

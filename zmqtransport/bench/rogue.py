@@ -82,14 +82,16 @@ def become_rogue(mode: str) -> None:
 
         began: list[float] = []
 
-        def assign(self: spans.SpanBook, stream: int, xfer: int, now: float) -> spans.Span | None:
+        def assign(
+            self: spans.SpanBook, stream: int, xfer: int, now: float, takeovers: spans.Takeovers | None = None
+        ) -> spans.Span | None:
             # A few messages (the source serves it and names it to the others), then nothing for
             # LIE_SECONDS: it lies far longer than an honest receive takes, not only until its own is
             # done, and still ends (a benchmark trial waits for it).
             if not began:
                 began.append(now)
             if self.messages - self.missing < 8 or now - began[0] >= LIE_SECONDS:
-                return honest_assign(self, stream, xfer, now)
+                return honest_assign(self, stream, xfer, now, takeovers)
             return None
 
         spans.SpanBook.assign = assign  # type: ignore[method-assign]

@@ -37,6 +37,13 @@ HAVE_EVERY = 0.05
 # costs both serving threads some CPU: with six peers, asking each every
 # 10 ms is 600 questions a second per receiver.
 HAVE_REFRESH = 0.1
+# Peers a receive asks at the rates above; with more, each is asked that much less
+# often, so that a member's questions (and the answers its peers' serving threads
+# give) stay at what this many peers cost, however large the swarm (a job start
+# of 64 to 256 replica groups: every member knows up to 128 peers, and asking
+# each every 10-100 ms made `have` questions nine in ten control messages, per
+# member in proportion to N). Nothing changes in a swarm of up to 17 receivers.
+HAVE_PEERS = 16
 # Seconds between two questions to the source about the swarm's members.
 MEMBERS_EVERY = 0.05
 # Where a member starts its walk through the plan, as a fraction of the plan
@@ -137,15 +144,23 @@ class Peers:
                 if self.own_token is not None:
                     turns[SOURCE] = max(self.source_from, -math.inf if claim else self._next_ask.get(SOURCE, -math.inf))
                 continue
-            turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * (peer in busy)
+            turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * self.spread() * (
+                peer in busy
+            )
         return turns
 
     def asking(self, peer: int, xfer: int, now: float, claim: bool = False) -> Question:
         """Question ``xfer`` goes to ``peer`` (to the source: with a ``claim``, or not)."""
         question = Question(xfer, peer, now, self._next_ask.get(peer, -math.inf), claim)
         self.registry.add(question)
-        self._next_ask[peer] = now + (MEMBERS_EVERY if peer == SOURCE else HAVE_EVERY)
+        self._next_ask[peer] = now + (MEMBERS_EVERY if peer == SOURCE else HAVE_EVERY * self.spread())
         return question
+
+    def spread(self) -> float:
+        """The peers not dropped over :data:`HAVE_PEERS`, at least 1: how many times less often than
+        :data:`HAVE_EVERY` (and :data:`HAVE_REFRESH`) each peer is asked, and how many times longer than
+        :data:`~.spans.QUIET_FIRST` a peer may be silent before it is dropped (each serves that many more)."""
+        return max(1.0, (len(self.tokens) - len(self._dropped)) / HAVE_PEERS)
 
     def unasked(self, xfer: int) -> None:
         """Question ``xfer`` did not go out after all: its peer's turn is as it was."""

@@ -280,10 +280,11 @@ class Outgoing:
     def _spans(self, now: float) -> list[Action]:
         plan, actions = self.plan, list[Action]()
         book, terms = plan.book, plan.terms
+        takeovers = book.takeovers(now)
         for index, lane in enumerate(plan.lanes):
             if lane.gone:
                 continue
-            while (span := book.assign(index, self.new_xfer(), now)) is not None:
+            while (span := book.assign(index, self.new_xfer(), now, takeovers)) is not None:
                 logger.debug("asking %s for messages %d..%d", lane.endpoint, span.first, span.stop)
                 request = span_request(span.xfer, span.first, span.stop, terms, lane.token, now)
                 actions.append(Send(index, span.xfer, request))
@@ -650,6 +651,9 @@ class ReceivePlanner:
 
     def _follow(self, now: float) -> list[Action]:
         actions: list[Action] = []
+        # A peer serves every member that asks it, one message each in turn: in a swarm of more than
+        # HAVE_PEERS its turns come that much further apart (its quiet spans are still taken over at once).
+        quiet_first = QUIET_FIRST * (self.peers.spread() if self.peers is not None else 1.0)
         for index, lane in enumerate(self.lanes):
             if lane.gone:
                 continue
@@ -673,10 +677,9 @@ class ReceivePlanner:
             self.book.connected(index, lane.established and lane.lost_at is None and not self.out.resting(lane, now))
             owed = [span for span in self.book.outstanding(index) if not span.finished]
             silent = now - min(self.book.silent_since(s) for s in owed) if owed else 0.0
-            stall = self.terms.stall_timeout
-            if stall is not None and silent >= stall:
+            if (stall := self.terms.stall_timeout) is not None and silent >= stall:
                 actions += self._drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
-            elif lane.token is not None and silent >= QUIET_FIRST and silent >= self.book.quiet_after(index):
+            elif lane.token is not None and silent >= quiet_first and silent >= self.book.quiet_after(index):
                 # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
                 actions += self._drop_peer(lane.peer, f"sent nothing for {silent:.2g} s of what it holds")
         for peer in self.book.unbacked(now):  # claims are hints with deadlines (fetch/claims.py)

@@ -51,18 +51,24 @@ class Registry:
     def __init__(self) -> None:
         self.asked: dict[int, Asked] = {}
         self.settled: dict[int, str] = {}
+        # The same requests by kind: the planner walks one kind (its spans, its questions) several times a
+        # pass, and with 64 peers a receive has a hundred of each kind out at once.
+        self._kinds: dict[type, dict[int, Asked]] = {}
 
     def add(self, request: Asked) -> None:
+        self.pop(request.xfer)  # a transfer id names one request
         self.asked[request.xfer] = request
+        self._kinds.setdefault(type(request), {})[request.xfer] = request
 
     def pop(self, xfer: int) -> Asked | None:
-        return self.asked.pop(xfer, None)
+        request = self.asked.pop(xfer, None)
+        if request is not None:
+            del self._kinds[type(request)][xfer]
+        return request
 
     def of(self, kind: type[A]) -> Iterator[A]:
         """The outstanding requests of one kind, oldest first."""
-        for request in self.asked.values():
-            if type(request) is kind:
-                yield request
+        yield from self._kinds.get(kind, {}).values()  # type: ignore[misc]
 
     def get(self, xfer: int | None, kind: type[A]) -> A | None:
         """The outstanding request ``xfer`` if it is of ``kind``."""
@@ -71,7 +77,7 @@ class Registry:
 
     def settle(self, xfer: int, why: str) -> None:
         """``xfer`` will not be followed: its answers, when they come, are dropped."""
-        self.asked.pop(xfer, None)
+        self.pop(xfer)
         self.settled[xfer] = why
 
     def settled_as(self, xfer: int | None) -> str | None:

@@ -47,10 +47,11 @@ set operation a few microseconds.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..bitsets import lowest, lowest_from, run, run_length
-from .claims import Holdings, claim_bound
+from .claims import CLAIM_FLOOR, Holdings, claim_bound
 from .registry import Registry
 
 # Bytes per span: small enough that a lost path's outstanding work is a few
@@ -162,17 +163,6 @@ class _Stream:
         owed = [span for span in self.spans if not span.finished]
         return any(now - self.silent_since(span) >= self.quiet_after(source_time) for span in owed)
 
-    def takeover_score(self, span: Span, rest: int, mine: float | None, now: float, source_time: float) -> float:
-        """How much taking over the ``rest`` messages of its ``span`` is worth to a stream of pace ``mine``:
-        its silence when it is quiet, the time the rest would still take when it is much slower (0: not)."""
-        silence = now - self.silent_since(span)
-        if silence >= self.quiet_after(source_time):
-            return silence
-        theirs = self.pace()
-        # A pace of 0 (messages drained from the socket at once) measures nothing.
-        if mine and theirs is not None and theirs > FASTER_BY * mine:
-            return rest * theirs
-        return 0.0
 
 
 class Reservations:
@@ -197,6 +187,22 @@ class Reservations:
         return self.open and not self.bits & free
 
 
+class _Streams(list[_Stream]):
+    """A receive's streams by index, and by peer: a pass of the planner asks about each peer's streams
+    (their pace, the source's paths), and with 64 peers a receive has over a hundred streams."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_peer: dict[int, list[_Stream]] = {}
+
+    def append(self, state: _Stream) -> None:
+        super().append(state)
+        self._by_peer.setdefault(state.peer, []).append(state)
+
+    def of(self, peer: int) -> list[_Stream]:
+        return self._by_peer.get(peer, [])
+
+
 def _peer_pace(streams: list[_Stream], peer: int, now: float, source_time: float) -> float | None:
     """The best measured pace of ``peer``'s live ``streams`` (None: none measured yet; inf: none serving);
     ``source_time`` as for :meth:`_Stream.quiet_after`.
@@ -211,6 +217,57 @@ def _peer_pace(streams: list[_Stream], peer: int, now: float, source_time: float
         return math.inf
     measured = [pace for pace in (state.pace() for state in serving) if pace]
     return min(measured) if measured else None
+
+
+class Takeovers:
+    """The spans another stream might take over (see the module docstring), gathered once for a pass over
+    every stream at one ``now`` (:meth:`SpanBook.takeovers`): with 64 peers a receive has a hundred spans
+    out and a hundred streams, and each idle stream looked at every span. Within a pass nothing arrives,
+    so what makes a span worth taking over holds; spans opened in the pass join (:meth:`add`), and one
+    taken over is skipped from then on."""
+
+    def __init__(
+        self, streams: list[_Stream], landed: bytearray, spans: Iterable[Span], now: float, source_time: float
+    ) -> None:
+        self.streams, self.landed, self.now, self.source_time = streams, landed, now, source_time
+        # Each candidate: the span, its first missing message, its silence if it is quiet (else 0), its pace.
+        self.entries: list[tuple[Span, int, float, float | None]] = []
+        self.quiet = False  # some span is quiet: worth taking over whatever the taker's pace
+        self.slowest = 0.0  # the slowest measured pace among the candidates' streams
+        for span in spans:
+            self.add(span)
+
+    def add(self, span: Span) -> None:
+        if span.taken_over or span.finished:
+            return
+        first = _first_missing(self.landed, span.next, span.stop)
+        if first >= span.stop:
+            return
+        state = self.streams[span.stream]
+        silence = self.now - state.silent_since(span)
+        quiet = silence if silence >= state.quiet_after(self.source_time) else 0.0
+        pace = state.pace()
+        self.entries.append((span, first, quiet, pace))
+        self.quiet = self.quiet or quiet > 0
+        self.slowest = max(self.slowest, pace or 0.0)
+
+    def victim(self, stream: int, held: int) -> Span | None:
+        """The span ``stream`` (whose peer holds ``held``) should take over, if any: the one whose rest is
+        worth most, its silence when it is quiet, else the time its rest would still take when its stream
+        is :data:`FASTER_BY` slower than this one (a pace of 0, messages drained at once, measures nothing)."""
+        mine = self.streams[stream].pace()
+        if not self.quiet and not (mine and self.slowest > FASTER_BY * mine):
+            return None  # no candidate is worth anything to this stream
+        best: Span | None = None
+        best_score = 0.0
+        for span, first, quiet, theirs in self.entries:
+            if span.stream == stream or span.taken_at is not None or not held >> first & 1:
+                continue
+            slower = bool(mine) and theirs is not None and theirs > FASTER_BY * (mine or 0.0)
+            score = quiet or ((span.stop - first) * (theirs or 0.0) if slower else 0.0)
+            if score > best_score:
+                best, best_score = span, score
+        return best
 
 
 def _bit(seq: int) -> int:
@@ -259,7 +316,7 @@ class SpanBook:
         self.landed = bytearray(messages)
         self.missing = messages  # messages not LANDED
         self.registry = registry if registry is not None else Registry()
-        self._streams: list[_Stream] = []
+        self._streams = _Streams()
         self._all = (1 << messages) - 1
         self._holds = Holdings(self._all, SOURCE)
         self._wanted = self._all  # not landed
@@ -317,7 +374,9 @@ class SpanBook:
         for state in self._streams:
             if state.last_data is not None:
                 holds.delivered(state.peer, state.last_data)
-        paces = {p: _peer_pace(self._streams, p, now, source_time) for p in holds.coming}
+        # A bound is at least CLAIM_FLOOR: a peer backed more recently is not judged (its pace is not needed).
+        judged = [p for p in holds.coming if now - holds.backed.get(p, now) >= CLAIM_FLOOR]
+        paces = {p: _peer_pace(self._streams.of(p), p, now, source_time) for p in judged}
         return [p for p, pace in paces.items() if holds.unbacked(p, self._wanted, now, claim_bound(source_time, pace))]
 
     def wants_claim(self) -> bool:
@@ -339,8 +398,13 @@ class SpanBook:
         if up:
             state.interrupted = False
 
-    def assign(self, stream: int, xfer: int, now: float) -> Span | None:
-        """The next span for ``stream`` to ask for under ``xfer``, or None (it is full, down, or nothing is due)."""
+    def takeovers(self, now: float) -> Takeovers:
+        """What :meth:`assign` weighs for a takeover, gathered once for a pass over every stream at ``now``."""
+        return Takeovers(self._streams, self.landed, self.registry.of(Span), now, self._source_time())
+
+    def assign(self, stream: int, xfer: int, now: float, takeovers: Takeovers | None = None) -> Span | None:
+        """The next span for ``stream`` to ask for under ``xfer``, or None (it is full, down, or nothing is due);
+        ``takeovers``: :meth:`takeovers` at ``now``, for a pass that asks every stream in turn."""
         state = self._streams[stream]
         depth = self.depth if state.peer == SOURCE else self.peer_depth
         if state.lost or not state.up or not state.data or len(state.spans) >= depth:
@@ -349,14 +413,14 @@ class SpanBook:
         choice = self._choose(stream, self._free & held, now)
         if choice is not None:
             first, stop = choice
-            return self._open(xfer, stream, first, stop, now)
-        victim = self._victim(stream, held, now)
+            return self._open(xfer, stream, first, stop, now, takeovers)
+        victim = (takeovers or self.takeovers(now)).victim(stream, held)
         if victim is None:
             return None
         victim.taken_at = now
         first = _first_missing(self.landed, victim.next, victim.stop)
         stop = first + run_length(self._wanted & held, first, victim.stop - first)
-        return self._open(xfer, stream, first, stop, now)
+        return self._open(xfer, stream, first, stop, now, takeovers)
 
     def on_data(self, xfer: int, seq: int, now: float, held: bool = False) -> bool | None:
         """A data message arrived. True: land it; False: a duplicate, drop it; None: no such span (cancelled).
@@ -452,7 +516,7 @@ class SpanBook:
 
     def _source_time(self) -> float:
         """Seconds a message takes from the source here: the slowest of its live paths (0: none known)."""
-        times = [s.message_time() for s in self._streams if s.peer == SOURCE and s.data and not s.lost]
+        times = [s.message_time() for s in self._streams.of(SOURCE) if s.data and not s.lost]
         return max(times, default=0.0)
 
     def pace(self, stream: int) -> float | None:
@@ -506,7 +570,7 @@ class SpanBook:
         for other, held in self._holds.held.items():
             if other == peer or held is None:
                 continue
-            pace = _peer_pace(self._streams, other, now, source_time)
+            pace = _peer_pace(self._streams.of(other), other, now, source_time)
             if pace is math.inf:
                 continue  # no stream left to it, or every one gone quiet: it serves nobody now
             theirs = held | self._holds.coming.get(other, 0)
@@ -543,26 +607,11 @@ class SpanBook:
         start = lowest_from(pool, self.offset)
         return start, start + run_length(candidates, start, min(size, self.messages - start))
 
-    def _victim(self, stream: int, held: int, now: float) -> Span | None:
-        """The unfinished span of another stream this one should take over, if any (see the module docstring)."""
-        mine = self.pace(stream)
-        source_time = self._source_time()
-        best: Span | None = None
-        best_score = 0.0
-        for span in self.registry.of(Span):
-            if span.stream == stream or span.taken_over or span.finished:
-                continue
-            first = _first_missing(self.landed, span.next, span.stop)
-            if first >= span.stop or not held >> first & 1:
-                continue
-            score = self._streams[span.stream].takeover_score(span, span.stop - first, mine, now, source_time)
-            if score > best_score:
-                best, best_score = span, score
-        return best
-
-    def _open(self, xfer: int, stream: int, first: int, stop: int, now: float) -> Span:
+    def _open(self, xfer: int, stream: int, first: int, stop: int, now: float, takeovers: Takeovers | None) -> Span:
         span = Span(xfer, stream, first, stop, first, now)
         self.registry.add(span)
+        if takeovers is not None:
+            takeovers.add(span)
         self._streams[stream].spans.append(span)
         self._free &= ~run(first, stop)
         return span

@@ -65,6 +65,7 @@ class Counters:
     source_data_bytes: int = 0
     source_control: int = 0  # control messages into or out of the source
     duplicates: int = 0
+    planner_passes: int = 0  # ReceivePlanner.tick calls (the owner's loop passes), all receivers
     # Control messages by kind: request or reply op, and whether the source or a member takes part.
     by_kind: dict[str, int] = field(default_factory=dict)
 
@@ -515,6 +516,7 @@ class Member:
                 return
             self._tick_at = float("inf")
             now = self.net.loop.now
+            self.net.counters.planner_passes += 1
             self._carry_out(self.plan.tick(now))
             if not self.finished:
                 self._tick(self.plan.wake_at(now))
