@@ -338,7 +338,12 @@ def test_a_frozen_receiver_holds_disallow_at_most_the_stall_bound(
 ) -> None:
     """A receiver frozen mid-transfer beside one that reads: the source is held at most the stall bound,
     the frozen one's frames are freed, and the other completes with the staged bytes."""
-    stall = 1.5
+    # The source also lets a silent reader go at the stall bound. This reader's signs of life come
+    # from its receiving thread, every KEEPALIVE_EVERY (0.5 s) plus a loop turn (two landings of
+    # 0.12 s): up to 0.74 s apart under load. At a 1.5 s bound a stall of that thread of about 0.8 s
+    # or more (a loaded machine) cut it off with `disallowed`, as a full suite run did once (one
+    # landing held 1.4 s after the disallow reproduces it at 1.5 s, not at 3 s).
+    stall = 3.0
     src = source(stall_timeout=stall)
     frozen = processes.Process(target=_receive_then_freeze, args=(src.metadata,))
     frozen.start()
