@@ -22,6 +22,10 @@ from zmqtransport.serve.frames import HeldFrames
 from zmqtransport.serve.notices import SUMMARY_EVERY, Notices
 from zmqtransport.serve.router import Router
 
+from .floods import unread_dealer
+
+LOOPBACK = "127.0.0.1"
+
 MiB = 1 << 20
 STALL = 2.0
 
@@ -100,20 +104,11 @@ def test_a_cut_connections_pinned_frames_ask_for_no_socket_wide_close() -> None:
     assert not frames.must_close(STALL + 1.0, transfers_running=False)
 
 
-def _dealer(context: zmq.Context[Any], port: int) -> zmq.Socket[Any]:
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.RCVHWM, 1)
-    dealer.setsockopt(zmq.RCVBUF, 4096)
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    return dealer
-
-
 def test_cutting_one_connection_frees_what_libzmq_queued_for_it_and_nothing_else() -> None:
     context = zmq.Context()
     router = Router(context, ["127.0.0.1"], 0, None)
     try:
-        stuck, reader = _dealer(context, router.port), _dealer(context, router.port)
+        stuck, reader = unread_dealer(context, LOOPBACK, router.port), unread_dealer(context, LOOPBACK, router.port)
         stuck.send(b"stuck")
         reader.send(b"reader")
         peers: dict[bytes, bytes] = {}  # which hello came on which connection: they may arrive in any order
@@ -180,7 +175,7 @@ def test_a_flood_of_bad_requests_logs_one_warning_and_its_count(caplog: pytest.L
     source: ZMQTransport[Any] = ZMQTransport(timedelta(seconds=10), bind_host="127.0.0.1")
     context = zmq.Context()
     try:
-        dealer = _dealer(context, source.address.port)
+        dealer = unread_dealer(context, LOOPBACK, source.address.port)
         with caplog.at_level(logging.WARNING, logger="zmqtransport"):
             for _ in range(200):
                 dealer.send(b"not msgpack at all")
