@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -85,11 +86,17 @@ def _read(process: subprocess.Popen[str]) -> str:
     return process.stdout.readline().strip()
 
 
-def _two_steps(lab: Lab, mib: int) -> tuple[str, list[list[dict[str, Any]]], list[int]]:
-    """Step 1 to the first receiver, step 2 to every receiver at once; returns the source's metadata,
-    each step's outcomes by receiver, and what the source's NIC sent per step."""
+Outcomes = list[list[dict[str, Any]]]
+
+
+def _two_steps(
+    lab: Lab, mib: int, code: str = RECEIVER, argv: Callable[[int], list[str]] = lambda host: [str(host)]
+) -> tuple[str, Outcomes, list[int]]:
+    """Stages steps 1 and 2 and tells every receiver (``code`` run with ``mib`` and ``argv(host)``) the
+    source for each in turn; returns the source's metadata, each step's outcomes by receiver, and what the
+    source's NIC sent per step. (RECEIVER's receivers other than the first skip step 1.)"""
     sender = lab_python(lab, 0, SENDER, lab.address(0), str(mib), str(RECEIVERS), stderr=False)
-    receivers = [lab_python(lab, host, RECEIVER, str(mib), str(host)) for host in range(1, RECEIVERS + 1)]
+    receivers = [lab_python(lab, host, code, str(mib), *argv(host)) for host in range(1, RECEIVERS + 1)]
     source = _read(sender)
     assert source, "the sender did not start"
     steps: list[list[dict[str, Any]]] = []
@@ -174,25 +181,7 @@ def test_a_swarm_of_receivers_that_cannot_keep_up_steps_aside_only_where_the_lin
     served directly; at 400 Mbit/s the swarm engages again."""
     step_bytes = SLOW_MIB << 20
     with Lab(hosts=RECEIVERS + 1, nics=1, rate_mbit=400, shaped=shaped) as lab:
-        sender = lab_python(lab, 0, SENDER, lab.address(0), str(SLOW_MIB), str(RECEIVERS), stderr=False)
-        receivers = [lab_python(lab, host, SLOW_RECEIVER, str(SLOW_MIB), str(SLOW_S)) for host in range(1, 4)]
-        source = _read(sender)
-        assert source, "the sender did not start"
-        steps: list[list[dict[str, Any]]] = []
-        uploaded: list[int] = []
-        for step in (1, 2):
-            if step == 2:
-                _tell(sender, "")
-                assert _read(sender) == "staged"
-            before = lab.tx_bytes(0)
-            for receiver in receivers:
-                _tell(receiver, source if step == 1 else "")
-            steps.append([json.loads(_read(receiver)) for receiver in receivers])
-            uploaded.append(lab.tx_bytes(0) - before)
-        for receiver in receivers:
-            assert receiver.wait(TIMEOUT_S) == 0
-        _tell(sender, "")
-        assert sender.wait(30) == 0
+        _, steps, uploaded = _two_steps(lab, SLOW_MIB, SLOW_RECEIVER, lambda host: [str(SLOW_S)])
     assert all(o["exact"] and sum(o["paths"].values()) == step_bytes for step in steps for o in step), steps
     # Nothing measured yet: a swarm, over either link; the source uploads about the state once.
     assert [o["way"] for o in steps[0]] == ["swarm"] * RECEIVERS, steps
