@@ -37,6 +37,7 @@ from zmqtransport.fetch.planner import (
     Send,
     Swarm,
     Ticks,
+    claim_size,
 )
 from zmqtransport.fetch.registry import CANCELLED, Question
 from zmqtransport.fetch.requests import SpanTerms
@@ -746,3 +747,23 @@ def test_ticks_are_due_at_the_wake_time_or_at_once_after_a_change() -> None:
     ticks.ticked(5.0)
     ticks.changed()  # a connection came up or went down
     assert ticks.due(0.0)
+
+
+def test_a_member_of_a_large_swarm_claims_one_message_at_a_time() -> None:
+    """Up to 16 peers a member claims CLAIM_MESSAGES at once; past that, one (planner.claim_size): 64
+    members claiming 4 had the source reserve every message at once, and their second copies crowded out
+    its first ones (docs/sim.md, "The source's first copies")."""
+    assert claim_size(1.0) == CLAIM_MESSAGES and claim_size(63 / 16) == 1
+    net = planner(swarm=Swarm(OWN))
+    net.carry_out(net.plan.start())
+    source = net.add()
+    net.tick()
+    [question] = [q for q in net.plan.registry.of(Question) if q.peer == SOURCE]
+    assert question.claim
+    assert [r.claim for r in net.requests(source, wire.OP_HAVE)] == [CLAIM_MESSAGES]
+    members = [(f"tcp://member{n}:1", bytes([n]) * 16) for n in range(20)]
+    net.answer(source, wire.have_reply(question.xfer, None, 16, peers=members, claimed=(0, 1)))
+    net.tick(0.01)
+    assert [(s.first, s.stop) for s in net.spans(source)] == [(0, 1)]  # what it reserved, asked for
+    net.tick(0.2)  # its reservation asked for: it claims again, one message now
+    assert [r.claim for r in net.requests(source, wire.OP_HAVE)][-1] == 1
