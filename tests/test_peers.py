@@ -151,7 +151,9 @@ def test_past_have_peers_each_peer_is_asked_less_often_so_a_member_asks_as_many_
 
     assert asked_again(HAVE_PEERS, busy=False) == HAVE_EVERY  # up to HAVE_PEERS: as before
     assert asked_again(HAVE_PEERS, busy=True) == HAVE_REFRESH
-    assert math.isclose(asked_again(4 * HAVE_PEERS, busy=False), 4 * HAVE_EVERY)
+    # Past it, an idle peer as often as a busy one: a member's questions a second stay what 16 busy peers
+    # cost (at 64 receivers of 256 MiB in the model, control messages per receiver 5424 -> 3652, as fast).
+    assert math.isclose(asked_again(4 * HAVE_PEERS, busy=False), 4 * HAVE_REFRESH)
     assert math.isclose(asked_again(4 * HAVE_PEERS, busy=True), 4 * HAVE_REFRESH)
     many = [bytes([1 + n % 250, n // 250]) * 8 for n in range(2 * HAVE_PEERS)]
     peers = Peers(None, [(f"tcp://m{n}:1", token) for n, token in enumerate(many)])

@@ -43,6 +43,11 @@ HAVE_REFRESH = 0.1
 # of 64 to 256 replica groups: every member knows up to 128 peers, and asking
 # each every 10-100 ms made `have` questions nine in ten control messages, per
 # member in proportion to N). Nothing changes in a swarm of up to 17 receivers.
+# Past it, an idle peer is asked as often as a busy one (HAVE_REFRESH, not
+# HAVE_EVERY, times the spread): at 64 more peers are idle than at 16, and the
+# questions a second per member were still twice those at 16; at the busy rate
+# they are what 16 busy peers cost, and the model's 32 and 64 receivers finish
+# as fast (docs/sim.md, "Questions past 16 peers").
 HAVE_PEERS = 16
 # Seconds between two questions to the source about the swarm's members.
 MEMBERS_EVERY = 0.05
@@ -144,7 +149,7 @@ class Peers:
                 if self.own_token is not None:
                     turns[SOURCE] = max(self.source_from, -math.inf if claim else self._next_ask.get(SOURCE, -math.inf))
                 continue
-            turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - HAVE_EVERY) * self.spread() * (
+            turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - self._every()) * self.spread() * (
                 peer in busy
             )
         return turns
@@ -153,8 +158,14 @@ class Peers:
         """Question ``xfer`` goes to ``peer`` (to the source: with a ``claim``, or not)."""
         question = Question(xfer, peer, now, self._next_ask.get(peer, -math.inf), claim)
         self.registry.add(question)
-        self._next_ask[peer] = now + (MEMBERS_EVERY if peer == SOURCE else HAVE_EVERY * self.spread())
+        self._next_ask[peer] = now + (MEMBERS_EVERY if peer == SOURCE else self._every() * self.spread())
         return question
+
+    def _every(self) -> float:
+        """How often an idle peer is asked, over :meth:`spread`: :data:`HAVE_EVERY` up to 16 peers; past
+        that, :data:`HAVE_REFRESH`, as often as a busy one, so a member's questions a second stay what 16
+        busy peers cost however many of its peers are idle."""
+        return HAVE_EVERY if self.spread() <= 1.0 else HAVE_REFRESH
 
     def spread(self) -> float:
         """The peers not dropped over :data:`HAVE_PEERS`, at least 1: how many times less often than
