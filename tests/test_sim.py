@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zmqtransport.sim import cli, plot, sweep, validation
+from zmqtransport.sim import cli, model, plot, sweep, validation
 from zmqtransport.sim.cli import simulate
 from zmqtransport.sim.model import Cores, Link
 
@@ -39,6 +39,18 @@ def test_one_receiver_takes_about_the_ideal_time() -> None:
     assert result["completed"] == 1
     # The header round trip and the first spans are a large part of 4 MiB (84 ms at 400 Mbit/s).
     assert 1.0 <= result["slowest_over_ideal"] < 2.0
+
+
+def test_the_planners_passes_cost_the_receivers_cpu_by_their_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pass of the real planner walks its lanes (two per peer): at 64 receivers 0.24 ms a pass, about
+    two CPU-s a receive, which the model left out and so was optimistic at scale (docs/sim.md)."""
+    assert model.pass_cost(model.CALIBRATED_LANES) == 0.0  # the 3-receiver calibration already has it
+    assert model.pass_cost(126) == pytest.approx(120 * model.PASS_PER_LANE)
+    charged = simulate(12, **SMALL)
+    monkeypatch.setattr(model, "PASS_PER_LANE", 0.0)
+    free = simulate(12, **SMALL)
+    assert charged["completed"] == free["completed"] == 12
+    assert charged["max_receiver_cpu_s"] > free["max_receiver_cpu_s"]
 
 
 def test_a_seed_gives_the_same_figures() -> None:

@@ -52,6 +52,14 @@ RECV_PER_MESSAGE = 0.2e-3  # a data message received: wake-up, envelope, planner
 RELAY_PER_MESSAGE = 0.44e-3  # a data message a member serves onward: the serving thread's wake-up, its send
 SOURCE_PER_MESSAGE = 0.36e-3  # a data message the source sends
 CONTROL_PER_MESSAGE = 0.03e-3  # a control message, on each side (sent or received)
+# A pass of the receive planner (tick and wake_at) walks its lanes: two per peer (data, questions) and
+# the source's. Measured in this simulator (time.perf_counter around the real planner's tick and
+# wake_at, 64 MiB, 2026-12-04): 85 us a pass at 6 lanes (3 receivers), 113 at 14, 119 at 22, 158 at 32,
+# 240 at 64 (32 receivers): about 2.7 us a lane. The per-message figures above were calibrated at three
+# receivers (6 lanes), where passes are part of RECV_PER_MESSAGE, so only the lanes past those are
+# charged: nothing at 3 receivers, 0.32 ms a pass at 64 (126 lanes).
+PASS_PER_LANE = 2.7e-6
+CALIBRATED_LANES = 6
 # The kernel's CPU per byte through one of the lab's tbf-shaped veths (only with ``tbf``; see above).
 TBF_RECV_PER_BYTE = 2.2 / GIB
 TBF_SEND_PER_BYTE = 0.6 / GIB
@@ -168,3 +176,8 @@ class Host:
     @property
     def cpu(self) -> float:
         return self.receiving.busy + self.serving.busy + self.up.kernel_busy + self.down.kernel_busy
+
+
+def pass_cost(lanes: int) -> float:
+    """CPU seconds one planner pass costs a receive with ``lanes`` lanes, over the calibration's own."""
+    return PASS_PER_LANE * max(0, lanes - CALIBRATED_LANES)

@@ -517,6 +517,8 @@ class Member:
             self._tick_at = float("inf")
             now = self.net.loop.now
             self.net.counters.planner_passes += 1
+            # The pass's own CPU, on the receiving thread: what it sends queues behind it.
+            self.host.receiving.run(now, model.pass_cost(len(self.plan.lanes)))
             self._carry_out(self.plan.tick(now))
             if not self.finished:
                 self._tick(self.plan.wake_at(now))
