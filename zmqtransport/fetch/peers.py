@@ -142,6 +142,7 @@ class Peers:
         again once it is back."""
         waiting = {question.peer for question in self.registry.of(Question)}
         turns: dict[int, float] = {}
+        busy_after = (HAVE_REFRESH - self._every()) * self.spread()  # a busy peer's turn, past an idle one's
         for peer in reachable:
             if peer in waiting or peer in self._dropped:
                 continue
@@ -149,9 +150,7 @@ class Peers:
                 if self.own_token is not None:
                     turns[SOURCE] = max(self.source_from, -math.inf if claim else self._next_ask.get(SOURCE, -math.inf))
                 continue
-            turns[peer] = self._next_ask.get(peer, -math.inf) + (HAVE_REFRESH - self._every()) * self.spread() * (
-                peer in busy
-            )
+            turns[peer] = self._next_ask.get(peer, -math.inf) + busy_after * (peer in busy)
         return turns
 
     def asking(self, peer: int, xfer: int, now: float, claim: bool = False) -> Question:

@@ -14,6 +14,7 @@ so sizes are the wire's and the scheduler and planner parse what they would.
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -313,7 +314,10 @@ class Member:
         self.net, self.host, self.source, self.directory, self.relay = net, host, source, directory, relay
         self.kill_at = kill_at  # the fraction of its messages after which it dies (None: never)
         self.outcome = Outcome()
-        self.xfers = itertools.count(1)
+        # Transfer ids as the real receive makes them (random 63-bit, planner.ReceivePlanner), from a draw
+        # of this host's own: their wire size is the real one, and does not grow with how many were made.
+        draw = random.Random(host.name)  # noqa: S311 (ids, not secrets; reproducible per host)
+        self.xfers = iter(lambda: draw.getrandbits(63), None)
         self.conns: list[Conn] = []  # by the planner's stream index
         self.plan: ReceivePlanner | None = None
         self.relayed: Relayed | None = None
