@@ -57,6 +57,7 @@ def test_a_seed_gives_the_same_figures() -> None:
     first, second = simulate(4, seed=7, **SMALL), simulate(4, seed=7, **SMALL)
     for result in (first, second):
         result.pop("wall_s")
+        result.pop("sim_cpu_s")  # the simulator's own CPU time, this machine's: 0.03 against 0.04 once in CI
     assert first == second
 
 

@@ -298,7 +298,7 @@ class Outgoing:
         for index, lane in enumerate(plan.lanes):
             if lane.gone:
                 continue
-            while book.room(index) and (span := book.assign(index, self.new_xfer(), now, takeovers)) is not None:
+            while (span := book.assign(index, self.new_xfer(), now, takeovers)) is not None:
                 logger.debug("asking %s for messages %d..%d", lane.endpoint, span.first, span.stop)
                 request = span_request(span.xfer, span.first, span.stop, terms, lane.token, now)
                 actions.append(Send(index, span.xfer, request))
@@ -357,7 +357,7 @@ class Outgoing:
         """The peers this receive still has work for (asked about less often)."""
         plan = self.plan
         assert plan.peers is not None
-        return plan.book.with_work(plan.peers.tokens)
+        return {peer for peer in plan.peers.tokens if plan.book.has_work_for(peer)}
 
     def on_have(self, lane: Lane, reply: wire.Reply, who: str, now: float) -> list[Action]:
         """An answer to a question, on ``lane``: what a peer holds, or the swarm's members and a claim
@@ -490,6 +490,10 @@ class Outgoing:
             plan.registry.pop(question.xfer)  # no answer comes: asked again (a claim too) once the backoff ends
             plan.peers.source_from = self.backoff.refused("questions", xfer, now)
         return []
+
+    def resting(self, lane: Lane, now: float) -> bool:
+        """Whether ``lane`` is a stream to the source given no span now: the source said ``busy``."""
+        return lane.token is None and self.backoff.holds("spans", now)
 
     def resume_at(self, now: float) -> float:
         """When the streams to the source get spans again after a ``busy`` (inf: they are not resting)."""
@@ -664,8 +668,6 @@ class ReceivePlanner:
         # A peer serves every member that asks it, one message each in turn: in a swarm of more than
         # HAVE_PEERS its turns come that much further apart (its quiet spans are still taken over at once).
         quiet_first = QUIET_FIRST * (self.peers.spread() if self.peers is not None else 1.0)
-        book, stall = self.book, self.terms.stall_timeout
-        source_resting = self.out.backoff.holds("spans", now)  # Outgoing.resting, once for the pass
         for index, lane in enumerate(self.lanes):
             if lane.gone:
                 continue
@@ -686,13 +688,12 @@ class ReceivePlanner:
             if not lane.established and now - lane.added >= CONNECT_BOUND and lane.peer == SOURCE:
                 actions += self._drop(index, "did not connect")
                 continue
-            resting = lane.token is None and source_resting
-            book.connected(index, lane.established and lane.lost_at is None and not resting)
-            owed = [span for span in book.outstanding(index) if not span.finished]
-            silent = now - min(book.silent_since(s) for s in owed) if owed else 0.0
-            if stall is not None and silent >= stall:
+            self.book.connected(index, lane.established and lane.lost_at is None and not self.out.resting(lane, now))
+            owed = [span for span in self.book.outstanding(index) if not span.finished]
+            silent = now - min(self.book.silent_since(s) for s in owed) if owed else 0.0
+            if (stall := self.terms.stall_timeout) is not None and silent >= stall:
                 actions += self._drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
-            elif lane.token is not None and silent >= quiet_first and silent >= book.quiet_after(index):
+            elif lane.token is not None and silent >= quiet_first and silent >= self.book.quiet_after(index):
                 # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
                 actions += self._drop_peer(lane.peer, f"sent nothing for {silent:.2g} s of what it holds")
         for peer in self.book.unbacked(now):  # claims are hints with deadlines (fetch/claims.py)

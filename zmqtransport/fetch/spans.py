@@ -383,11 +383,6 @@ class SpanBook:
         """Whether this receive should ask the source to reserve it more messages."""
         return self.reserved.exhausted(self._free)
 
-    def with_work(self, peers: Iterable[int]) -> set[int]:
-        """Those of ``peers`` that :meth:`has_work_for` (asked twice a pass of every peer: one loop here)."""
-        free, held, everything = self._free, self._holds.held, self._holds.everything
-        return {peer for peer in peers if free & (everything if (h := held.get(peer, 0)) is None else h)}
-
     def has_work_for(self, peer: int) -> bool:
         """Whether ``peer`` holds messages this receive still wants and has asked nobody for."""
         return bool(self._free & self._holds.of(peer))
@@ -407,19 +402,13 @@ class SpanBook:
         """What :meth:`assign` weighs for a takeover, gathered once for a pass over every stream at ``now``."""
         return Takeovers(self._streams, self.landed, self.registry.of(Span), now, self._source_time())
 
-    def room(self, stream: int) -> bool:
-        """Whether ``stream`` may be given a span now (up, carrying data, under its depth): a pass asks
-        :meth:`assign` only of those (half a receive's streams carry questions only)."""
-        state = self._streams[stream]
-        return state.data and state.up and not state.lost and len(state.spans) < (
-            self.depth if state.peer == SOURCE else self.peer_depth)
-
     def assign(self, stream: int, xfer: int, now: float, takeovers: Takeovers | None = None) -> Span | None:
         """The next span for ``stream`` to ask for under ``xfer``, or None (it is full, down, or nothing is due);
         ``takeovers``: :meth:`takeovers` at ``now``, for a pass that asks every stream in turn."""
-        if not self.room(stream):
-            return None
         state = self._streams[stream]
+        depth = self.depth if state.peer == SOURCE else self.peer_depth
+        if state.lost or not state.up or not state.data or len(state.spans) >= depth:
+            return None
         held = self._holds.of(state.peer)
         choice = self._choose(stream, self._free & held, now)
         if choice is not None:
