@@ -38,10 +38,11 @@ from zmqtransport.fetch.planner import (
     Swarm,
     Ticks,
     claim_size,
+    source_depth,
 )
 from zmqtransport.fetch.registry import CANCELLED, Question
 from zmqtransport.fetch.requests import SpanTerms
-from zmqtransport.fetch.spans import QUIET_FIRST, SOURCE, Span
+from zmqtransport.fetch.spans import DEPTH, QUIET_FIRST, SOURCE, Span
 from zmqtransport.fetch.streams import MemoryStream
 from zmqtransport.fetch.verify import DigestRequest
 
@@ -767,3 +768,27 @@ def test_a_member_of_a_large_swarm_claims_one_message_at_a_time() -> None:
     assert [(s.first, s.stop) for s in net.spans(source)] == [(0, 1)]  # what it reserved, asked for
     net.tick(0.2)  # its reservation asked for: it claims again, one message now
     assert [r.claim for r in net.requests(source, wire.OP_HAVE)][-1] == 1
+
+
+def test_a_member_of_a_large_swarm_keeps_one_span_ahead_at_the_source() -> None:
+    """Up to 16 peers two spans are outstanding on a connection to the source; past that, one
+    (planner.source_depth): 64 members two ahead had the source refuse half their span fetches ``busy``
+    and its uplink carry second copies (docs/sim.md, "One span ahead at the source")."""
+    assert source_depth(1.0) == DEPTH == 2 and source_depth(63 / 16) == 1
+    net = planner(swarm=Swarm(OWN))
+    net.carry_out(net.plan.start())
+    source = net.add()
+    net.tick()
+    [question] = [q for q in net.plan.registry.of(Question) if q.peer == SOURCE]
+    few = [(f"tcp://member{n}:1", bytes([n + 1]) * 16) for n in range(3)]
+    net.answer(source, wire.have_reply(question.xfer, None, 16, peers=few, claimed=(0, 8)))
+    net.tick(0.01)
+    assert len(net.spans(source)) == 2  # a small swarm: two ahead, as before
+    many = [(f"tcp://member{n}:1", bytes([n + 1]) * 16) for n in range(20)]
+    net.tick(0.1)
+    [question] = [q for q in net.plan.registry.of(Question) if q.peer == SOURCE]
+    net.answer(source, wire.have_reply(question.xfer, None, 16, peers=many, claimed=(8, 16)))
+    for span in net.spans(source):  # both land: the next pass asks for one only
+        net.serve(source, span)
+    net.tick(0.2)
+    assert len(net.spans(source)) == 1
