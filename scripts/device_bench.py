@@ -8,7 +8,11 @@ sender stages a step and the receiver fetches it into device memory:
 * ``zmq-inplace``: ZMQTransport with ``state_dict`` targets already on the device;
 * ``zmq-fresh``: ZMQTransport with ``device=`` (fresh device tensors);
 * ``http``: torchft's HTTPTransport (it copies CUDA tensors to host memory in
-  ``send_checkpoint``; the receiver moves what it loads onto the device).
+  ``send_checkpoint``; the receiver moves what it loads onto the device);
+* ``tcp-1`` / ``tcp-4``: the anchor, loopback's own ceiling on this machine:
+  the same number of bytes as plain TCP between two processes, host memory to
+  host memory, over one flow or four (each flow read with ``recv_into`` into a
+  touched 256 MiB buffer, round and round; no device, no framing, no check).
 
 Every received tensor is compared bit for bit with what the sender held (a
 pattern that depends on the tensor and the step, regenerated on the receiver),
@@ -34,7 +38,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-METHODS = ("zmq-inplace", "zmq-fresh", "http")
+METHODS = ("zmq-inplace", "zmq-fresh", "http", "tcp-1", "tcp-4")
+TCP_BUFFER = 256 << 20  # each flow's send and receive buffer
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
 
 
@@ -283,6 +288,77 @@ class _Worker:
             self.process.kill()
 
 
+# ----------------------------------------------------------------------------- the anchor
+
+
+def _tcp_sender(port: int, nbytes: int, flows: int) -> None:
+    """Connect ``flows`` times, wait for a byte on each, then send each flow's share from one buffer."""
+    import socket
+    import threading
+
+    buffer = memoryview(bytearray(b"\x5a" * TCP_BUFFER))
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(flows)]
+
+    def flow(conn: socket.socket, share: int) -> None:
+        with conn:
+            conn.recv(1)
+            while share > 0:
+                share -= conn.send(buffer[: min(share, TCP_BUFFER)])
+
+    shares = [nbytes // flows + (1 if i < nbytes % flows else 0) for i in range(flows)]
+    threads = [threading.Thread(target=flow, args=pair) for pair in zip(conns, shares, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _tcp_seconds(nbytes: int, flows: int, timeout: float) -> float:
+    """Seconds to move ``nbytes`` over ``flows`` loopback TCP connections, from the go to the last byte."""
+    import socket
+    import threading
+
+    context = multiprocessing.get_context("spawn")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(timeout)
+        child = context.Process(target=_tcp_sender, args=(listener.getsockname()[1], nbytes, flows), daemon=True)
+        child.start()
+        try:
+            conns = [listener.accept()[0] for _ in range(flows)]
+            buffers = [memoryview(bytearray(TCP_BUFFER)) for _ in range(flows)]
+            for buffer in buffers:
+                buffer[:] = b"\x01" * TCP_BUFFER  # touched: no first-touch page faults in the timing
+            got = [0] * flows
+
+            def flow(index: int) -> None:
+                conn, buffer = conns[index], buffers[index]
+                conn.settimeout(timeout)
+                while True:
+                    n = conn.recv_into(buffer)  # lets go of the GIL: the flows' copies run side by side
+                    if n == 0:
+                        return
+                    got[index] += n
+
+            threads = [threading.Thread(target=flow, args=(i,)) for i in range(flows)]
+            started = time.perf_counter()
+            for conn in conns:
+                conn.sendall(b"g")
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout)
+            seconds = time.perf_counter() - started
+            for conn in conns:
+                conn.close()
+        finally:
+            child.join(timeout)
+            if child.is_alive():
+                child.kill()
+    if sum(got) != nbytes:
+        raise RuntimeError(f"plain TCP over {flows} flows moved {sum(got)} of {nbytes} bytes")
+    return seconds
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -290,6 +366,8 @@ LABELS = {
     "zmq-inplace": "ZMQTransport, in place (state_dict)",
     "zmq-fresh": "ZMQTransport, fresh (device=)",
     "http": "HTTPTransport (torchft) + .to(device)",
+    "tcp-1": "anchor: plain TCP over loopback, 1 flow",
+    "tcp-4": "anchor: plain TCP over loopback, 4 flows",
 }
 
 
@@ -308,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         receiver.reply(args.timeout)
         step = 0
         for method in args.methods:
+            if method.startswith("tcp-"):
+                flows = int(method.split("-")[1])
+                seconds = [_tcp_seconds(nbytes, flows, args.timeout) for _ in range(max(1, args.repeats))]
+                best = min(seconds)
+                rows.append([LABELS[method], "-", f"{best:.3f}", f"{nbytes / best / 1e9:.2f}", "-", "host to host"])
+                continue
             if method == "http" and info["http"] is None:
                 rows.append([LABELS[method], "-", "-", "-", "-", f"skipped: {info['http_error']}"])
                 continue
