@@ -176,6 +176,30 @@ def test_invalid_options_are_named(options: dict[str, Any], named: str) -> None:
     assert named in str(error)
 
 
+@pytest.mark.parametrize(("cores", "io_threads"), [(1, 1), (2, 1), (7, 1), (8, 2), (12, 3), (16, 4), (128, 4)])
+def test_io_threads_default_to_one_per_four_cores_at_most_four(
+    monkeypatch: pytest.MonkeyPatch, cores: int, io_threads: int
+) -> None:
+    monkeypatch.setattr(transport_module, "available_cores", lambda: cores)
+    with ZMQTransport(TIMEOUT, bind_host=LOOPBACK) as transport:
+        assert transport._context.get(zmq.IO_THREADS) == io_threads
+        # Several I/O threads: a receive that is no swarm member reads over four connections.
+        assert transport._fetch_options.direct_streams == (4 if io_threads > 1 else 1)
+    with ZMQTransport(TIMEOUT, bind_host=LOOPBACK, io_threads=1) as transport:
+        assert transport._context.get(zmq.IO_THREADS) == 1
+        assert transport._fetch_options.direct_streams == 1
+
+
+def test_a_receive_into_device_memory_keeps_one_connection_per_path() -> None:
+    # The extra streams' gain was measured in host memory; a GPU heal was not faster with them (docs/cuda.md).
+    options = fetch.FetchOptions(direct_streams=4)
+    assert options.into(None).direct_streams == 4
+    assert options.into({"w": torch.zeros(4), "step": 1}).direct_streams == 4
+    assert options.into({"w": torch.zeros(4), "b": [torch.empty(2, device="meta")]}).direct_streams == 1
+    assert fetch.FetchOptions(direct_streams=4, device=torch.device("cuda")).into(None).direct_streams == 1
+    assert fetch.FetchOptions(direct_streams=1).into(None).direct_streams == 1
+
+
 @pytest.mark.usefixtures("nothing_left")
 def test_malformed_advertise_variable_is_named_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     # The environment is read at construction: a bad value must fail like a bad

@@ -319,3 +319,35 @@ def test_a_lone_receiver_takes_the_direct_path_once_the_source_is_measured_fast(
         assert same(receiver.recv_checkpoint(0, sender.metadata(), step, TIMEOUT), want)
     stats = receiver.last_recv_stats
     assert stats.path == "direct" and stats.streams == 1
+
+
+@pytest.mark.parametrize("link_bound", [False, True])
+def test_with_several_io_threads_a_direct_receive_is_striped_and_a_member_keeps_one_connection_to_the_source(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch, quick_uplink: None, link_bound: bool
+) -> None:
+    # streams=None with several I/O threads: four connections in spans where the source serves the receive
+    # directly (docs/performance.md, "Many cores"); a swarm member keeps one per path (the source's transfer
+    # limit, job-scale swarms: docs/sim.md).
+    monkeypatch.setattr(uplink, "SWARM_BELOW", float("inf") if link_bound else 0.0)
+    sender = make_transport(checksum=True)
+    receivers = [make_transport(io_threads=2, progress=slow(0.004)) for _ in range(3)]
+    want = state()
+    sender.send_checkpoint([1], 1, want, TIMEOUT)
+    assert same(receivers[0].recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
+    sender.send_checkpoint([1, 2, 3], 2, want, TIMEOUT)
+    before = uploaded(sender)
+    results = fetch_all(receivers, sender.metadata(), 2, stagger=0.02)
+    assert all(same(got, want) for got in results), results
+    stats = [r.last_recv_stats for r in receivers]
+    if link_bound:
+        assert [s.path for s in stats] == ["swarm"] * 3
+        # One connection to the source and at most one to each other member: not four to the source.
+        assert all(s.streams <= len(receivers) for s in stats), [s.streams for s in stats]
+    else:
+        assert [s.path for s in stats] == ["striped"] * 3
+        assert [s.streams for s in stats] == [4] * 3
+        # Every byte from the source. Spans a receive cancels mid-flight (they moved to a lane with room) or
+        # fetches twice (a lane that fell behind, in the end game) pass three states a little: slowed
+        # receivers on a loaded machine, 1.1-1.3x here.
+        assert 3 * nbytes(want) <= uploaded(sender) - before <= 3 * nbytes(want) * 2
+        assert all(list(s.paths) == [sender.metadata()] for s in stats)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -64,6 +65,8 @@ DEFAULT_WINDOW = 16
 # Connections one receive may open: each is a socket and a monitor on both
 # sides, and counts against the sender's per-peer and global transfer limits.
 MAX_STREAMS = 16
+AUTO_IO_THREADS_MAX = 4  # io_threads=None: one per four cores, at most this many
+DIRECT_STREAMS = 4  # streams=None with several I/O threads: a receive that is no swarm member uses this many
 # The stall bound's default, in seconds (docs/protocol.md, "Liveness" and "Dead
 # and stalled sources"). Healthy transfers under load waited at most 0.33 s for a
 # data message (3 receivers x 1 GiB fresh on 2 cores, scripts/stall_gaps.py);
@@ -150,7 +153,9 @@ class ZMQTransport(CheckpointTransport[T]):
         streams: connections one ``recv_checkpoint`` uses. ``None``
             (default): one per path the source advertises, so one path means
             one connection, and a source on several networks
-            is read over all of them at once. ``1``: one connection, over the
+            is read over all of them at once; with more than one I/O thread
+            (``io_threads``), at least four, unless the source makes the
+            receive a swarm member. ``1``: one connection, over the
             most preferred path that connects. ``N > 1``: N connections,
             spread over the paths that connect. With more than one, the data
             is fetched in spans handed to whichever connection has room (a
@@ -195,7 +200,13 @@ class ZMQTransport(CheckpointTransport[T]):
             always verify checksums a sender attached.
         max_recv_bytes: refuse a header announcing more fresh memory than this
             (default: physical memory).
-        io_threads: ZeroMQ I/O threads of this transport's context.
+        io_threads: ZeroMQ I/O threads of this transport's context. ``None``
+            (default): one per four cores this process may run on, at most
+            four (one on fewer than eight cores). With more than one, a
+            receive that is no swarm member and leaves ``streams`` at ``None``
+            is read over four connections (in spans), which the I/O threads
+            carry side by side: where the network outpaces one core
+            (docs/performance.md, "Many cores").
         device: where ``recv_checkpoint`` allocates tensors that are not
             received in place: ``"cpu"`` (default, as torchft's other
             transports) or a CUDA device such as ``"cuda"`` / ``"cuda:1"``
@@ -246,7 +257,7 @@ class ZMQTransport(CheckpointTransport[T]):
         state_dict: Callable[[], T] | None = None,
         checksum: bool = False,
         max_recv_bytes: int | None = None,
-        io_threads: int = 1,
+        io_threads: int | None = None,
         device: str | torch.device = "cpu",
         staging: DeviceStaging | None = None,
         prefault_threads: int = 2,
@@ -276,6 +287,7 @@ class ZMQTransport(CheckpointTransport[T]):
         self._curve = security.CurveSettings.resolve(
             curve_secret, curve_allowed_clients, curve_client_keypair, curve_server_keypair
         )
+        io_threads = auto_io_threads(available_cores()) if io_threads is None else io_threads
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
         self._shutdown_lock, self._shut_down = threading.Lock(), False
         self._zap: security.ZapHandler | None = None
@@ -293,6 +305,7 @@ class ZMQTransport(CheckpointTransport[T]):
             prefault_threads=prefault_threads,
             stall_timeout=stall_seconds,
             streams=streams,
+            direct_streams=DIRECT_STREAMS if io_threads > 1 else 1,
             relay=RelayOffer(self._address.to_metadata(), self._server, self._peer_options) if relay else None,
             verify=verify,
         )
@@ -521,13 +534,32 @@ class ZMQTransport(CheckpointTransport[T]):
         return f"ZMQTransport({self.metadata()!r})"
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the platform tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def auto_io_threads(cores: int) -> int:
+    """``io_threads=None``: one I/O thread per four cores, at most :data:`AUTO_IO_THREADS_MAX`.
+
+    Measured (docs/performance.md, "Many cores"): on 16 cores over unshaped links, three direct
+    receivers of 256 MiB took 0.19 s with one I/O thread and one connection each, 0.12 s with two
+    I/O threads and four connections, 0.09 s with four and four; four connections on one I/O thread
+    0.18 s. On this project's two-core VM more of either made one receive slower: it keeps one.
+    """
+    return max(1, min(AUTO_IO_THREADS_MAX, cores // 4))
+
+
 def _check_options(
     timeout: timedelta,
     stall_timeout: timedelta | float | None,
     chunk_bytes: int | None,
     pack_below: int,
     window: int,
-    io_threads: int,
+    io_threads: int | None,
     port: int,
 ) -> float | None:
     """Refuse a bad option value with a ``ValueError`` naming it; the stall bound in seconds."""
@@ -545,9 +577,9 @@ def _check_options(
     stall_seconds = _seconds_or_none(stall_timeout)
     if stall_seconds is not None and not stall_seconds > 0:
         raise ValueError(f"stall_timeout={stall_timeout!r}: must be positive or None")
-    if type(io_threads) is not int or io_threads < 1:
+    if io_threads is not None and (type(io_threads) is not int or io_threads < 1):
         # libzmq accepts 0 and then fails every TCP bind with "No thread available".
-        raise ValueError(f"io_threads={io_threads!r}: must be at least 1")
+        raise ValueError(f"io_threads={io_threads!r}: must be None or at least 1")
     sockets.check_port(port)
     return stall_seconds
 

@@ -624,6 +624,18 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-norelay-w64", into_targets=False, relay=False, options=(("window", 64),)),
         ZmqMethod("zmq-norelay-pf0", into_targets=False, relay=False, options=(("prefault_threads", 0),)),
         ZmqMethod("zmq-norelay-pf1", into_targets=False, relay=False, options=(("prefault_threads", 1),)),
+        # Issue 33 on a many-core host (the 16-core GPU machine): four I/O threads on each side, four streams,
+        # four prefault threads.
+        ZmqMethod("zmq-inplace-io1", into_targets=True, options=(("io_threads", 1),)),
+        ZmqMethod("zmq-inplace-io4", into_targets=True, options=(("io_threads", 4),)),
+        ZmqMethod("zmq-inplace-4s-io4", into_targets=True, streams=4, options=(("io_threads", 4),)),
+        ZmqMethod("zmq-fresh-io4", into_targets=False, options=(("io_threads", 4),)),
+        ZmqMethod("zmq-norelay-io4", into_targets=False, relay=False, options=(("io_threads", 4),)),
+        ZmqMethod("zmq-norelay-4s-io4", into_targets=False, relay=False, streams=4, options=(("io_threads", 4),)),
+        ZmqMethod("zmq-norelay-pf4", into_targets=False, relay=False, options=(("prefault_threads", 4),)),
+        ZmqMethod(
+            "zmq-norelay-io4-pf4", into_targets=False, relay=False, options=(("io_threads", 4), ("prefault_threads", 4))
+        ),
         CutMethod("zmq-inplace-cut", ZmqMethod("zmq-inplace", into_targets=True)),
         HttpMethod("http", chunks=0),
         HttpMethod("http-4", chunks=4),

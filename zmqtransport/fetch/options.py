@@ -8,10 +8,12 @@ is passed to :func:`zmqtransport.fetch.fetch` beside it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
+from ..codec.skeleton import iter_tensor_leaves
 from ..device import CPU, DeviceStaging
 from ..net import PeerAddress
 from .landing import LandingOptions
@@ -47,6 +49,10 @@ class FetchOptions:
     # Connections per receive (docs/protocol.md, "Spans"): None, one per path
     # the source advertises; 1, a single connection (no span fetches).
     streams: int | None = None
+    # With streams=None, the connections a receive that is no swarm member opens to the source on one
+    # path (striped, in spans): 1 (the direct path, one connection), or more where the transport's
+    # context has several I/O threads to carry them (docs/performance.md, "Many cores").
+    direct_streams: int = 1
     relay: RelayOffer | None = None  # None: this receiver does not relay
     # What is checked against the source's strong digests (docs/protocol.md, "Digests"):
     # "relayed", every message a relay sends; "all", every message, the source's own too.
@@ -60,11 +66,38 @@ class FetchOptions:
     def striped(self, address: PeerAddress) -> bool:
         """Whether a receive from ``address`` asks for the header alone, then for spans on several connections."""
         if self.streams is None:
-            return bool(address.more_paths)
+            return bool(address.more_paths) or self.direct_streams > 1
         return self.streams > 1
+
+    def into(self, targets: Any) -> FetchOptions:
+        """These options for one receive into ``targets`` (None: fresh memory on ``device``).
+
+        No extra streams for a state that lands in device memory: their gain was measured in host
+        memory, and a GPU heal, bound by its copies through pinned buffers, was not faster with them
+        (docs/cuda.md).
+        """
+        if self.direct_streams <= 1:
+            return self
+        on_device = self.device.type != "cpu" or (targets is not None and _any_off_cpu(targets))
+        return replace(self, direct_streams=1) if on_device else self
+
+    def stream_count(self, paths: int, member: bool) -> int | None:
+        """Connections to the source of a striped receive over ``paths`` paths; None: one per path.
+
+        A swarm member keeps one per path with ``streams=None``: each more would be one more transfer
+        at the source, whose limit a job-scale swarm already meets (docs/sim.md).
+        """
+        if self.streams is not None or member or self.direct_streams <= 1:
+            return self.streams
+        return max(self.direct_streams, paths)
 
     def landing(self) -> LandingOptions:
         """What the landing plan needs of these options."""
         return LandingOptions(
             max_bytes=self.max_bytes, device=self.device, stages=self.staging.stages, huge_pages=self.huge_pages
         )
+
+
+def _any_off_cpu(targets: Any) -> bool:
+    """Whether any tensor of an in-place receive's structure is in device memory."""
+    return any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" for _, leaf in iter_tensor_leaves(targets))

@@ -253,7 +253,6 @@ class Receive:
             self.algorithm,
             inline=options.verifies_all,
         )
-        streams = self.conns.streams(options.streams)
         messages = len(inbox.plan)
         swarm, offset = None, 0
         known: tuple[wire.Peer, ...] = ()
@@ -264,6 +263,7 @@ class Receive:
                 known = ((self.order.upstream, self.order.upstream_token),)  # a source that names one relay
             swarm = Swarm(self.order.token, known)
             offset = start_offset(len(known), messages)
+        streams = self.conns.streams(options.stream_count(len(self.address.paths), swarm is not None))
         # In a swarm, spans small enough that every member gets several (a slow peer holds few back).
         span = span_messages(chunk_bytes, messages if swarm else 0, len(streams) + len(known) + 2)
         if swarm is not None:
@@ -363,6 +363,7 @@ def fetch(
     ``targets`` is the structure to receive into, in place.
     """
     buffers.settle_malloc_thresholds()  # once per process; see there
+    options = options.into(targets)
     with paused_gc():  # many acyclic objects per tensor: see gcpause
         receive = Receive(context, address, src_rank, step, timeout, options, peer_options)
         started = time.monotonic()
