@@ -15,6 +15,7 @@ in the receive's one :class:`~.registry.Registry` of requests.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -49,6 +50,12 @@ HAVE_REFRESH = 0.1
 # they are what 16 busy peers cost, and the model's 32 and 64 receivers finish
 # as fast (docs/sim.md, "Questions past 16 peers").
 HAVE_PEERS = 16
+# Peers one receive fetches from at most (not counting those it dropped): past
+# it, a random sample of the members it hears of, as a BitTorrent client keeps
+# a few dozen of a swarm's peers. Each member is then known to about this many
+# others whatever the swarm's size, and a receive's lanes, its planner's pass
+# and the wait between two questions to one peer stay what this many cost.
+MAX_PEERS = 32
 # Seconds between two questions to the source about the swarm's members.
 MEMBERS_EVERY = 0.05
 # Where a member starts its walk through the plan, as a fraction of the plan
@@ -93,17 +100,24 @@ class Peers:
         self._next_ask: dict[int, float] = {}
         self._dropped: set[int] = set()
         self._known = list(known)
+        self._heard: set[bytes] = set()  # every member the source named to this receive
+        # Which members past MAX_PEERS: random, but the same for the same token (the model's runs repeat).
+        self._pick = random.Random(own_token if own_token is not None else 0)  # noqa: S311 (not a secret)
         self.source_from = -math.inf  # the source is asked nothing before (it said ``busy``: fetch/backoff.py)
 
     def learn(self, members: Sequence[wire.Peer] = ()) -> list[NewPeer]:
         """Members the source named (and those of the relay order, the first time): the ones that are new,
         and known ones the source now names under more paths (their ``at`` has changed)."""
         fresh = []
-        for at, token in [*self._known, *members]:
+        offered = [*self._known, *members]
+        admit = self._admit([token for _, token in offered])
+        for at, token in offered:
             if token == self.own_token:
                 continue
             peer = self._ids.get(token)
             if peer is None:
+                if token not in admit:
+                    continue
                 peer = len(self._ids) + 1  # SOURCE is 0
                 self._ids[token] = peer
                 self.tokens[peer] = token
@@ -114,6 +128,16 @@ class Peers:
             fresh.append(NewPeer(peer, at, token))
         self._known = []
         return fresh
+
+    def _admit(self, tokens: Sequence[bytes]) -> set[bytes]:
+        """Of ``tokens``, the new members this receive takes on: all while it has fewer than
+        :data:`MAX_PEERS` peers it has not dropped, else a random sample that fills it up."""
+        new = list(dict.fromkeys(t for t in tokens if t != self.own_token and t not in self._ids))
+        self._heard.update(new)
+        room = max(MAX_PEERS, len(self._heard) // 2) - (len(self._ids) - len(self._dropped))
+        if len(new) <= room:
+            return set(new)
+        return set(self._pick.sample(new, max(0, room)))
 
     def due(
         self, now: float, reachable: AbstractSet[int], busy: AbstractSet[int] = frozenset(), claim: bool = False
