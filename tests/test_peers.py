@@ -170,7 +170,7 @@ def test_past_max_peers_a_member_takes_on_a_random_half_of_the_members_it_hears_
     # A job start of 64 to 256 replica groups (docs/sim.md, "A partial view"): a member fetches from at
     # most MAX_PEERS, or half the members the source named to it if more, each a random pick (the model
     # at 64 receivers: slowest 1.47 -> 1.38x the ideal, two liars 1.62 -> 1.47x, a tenth killed
-    # 1.51 -> 1.45x; 128 within its seeds' spread; 16 unchanged).
+    # 1.51 -> 1.45x; but 128 2.03 -> 2.15x over four seeds; up to 33 unchanged).
     from zmqtransport.fetch.peers import MAX_PEERS
 
     def named(first: int, count: int) -> list[wire.Peer]:
