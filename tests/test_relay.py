@@ -287,6 +287,20 @@ def quick_uplink(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(uplink, "MIN_SECONDS", 0.001)
 
 
+def measured_then_all(sender: ZMQTransport[Any], receivers: list[ZMQTransport[Any]], want: Any) -> tuple[str, int]:
+    """A first step to the first receiver alone (the source measures its uplink on it; with nothing
+    measured yet the swarm engages), then a second to all three, staggered, each receive checked
+    bit-exact: the first receive's path, and the bytes the source uploaded for the second step."""
+    sender.send_checkpoint([1], 1, want, TIMEOUT)
+    assert same(receivers[0].recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
+    first = receivers[0].last_recv_stats.path
+    sender.send_checkpoint([1, 2, 3], 2, want, TIMEOUT)
+    before = uploaded(sender)
+    results = fetch_all(receivers, sender.metadata(), 2, stagger=0.02)
+    assert all(same(got, want) for got in results), results
+    return first, uploaded(sender) - before
+
+
 @pytest.mark.parametrize("link_bound", [False, True])
 def test_the_swarm_steps_aside_where_the_source_feeds_its_receivers_faster_than_they_relay(
     make_transport: Any, monkeypatch: pytest.MonkeyPatch, quick_uplink: None, link_bound: bool
@@ -296,22 +310,16 @@ def test_the_swarm_steps_aside_where_the_source_feeds_its_receivers_faster_than_
     sender = make_transport(checksum=True)
     receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]
     want = state()
-    # The first step is measured (nothing measured yet: the swarm engages).
-    sender.send_checkpoint([1], 1, want, TIMEOUT)
-    assert same(receivers[0].recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
-    assert receivers[0].last_recv_stats.path == "swarm"
-    sender.send_checkpoint([1, 2, 3], 2, want, TIMEOUT)
-    before = uploaded(sender)
-    results = fetch_all(receivers, sender.metadata(), 2, stagger=0.02)
-    assert all(same(got, want) for got in results), results
+    first, sent = measured_then_all(sender, receivers, want)
+    assert first == "swarm"
     ways = [r.last_recv_stats.path for r in receivers]
     if link_bound:
         assert ways == ["swarm"] * 3
-        assert uploaded(sender) - before < 3 * nbytes(want)
+        assert sent < 3 * nbytes(want)
     else:
         # Each fetches everything from the source over one connection: no spans, no peers.
         assert ways == ["direct"] * 3
-        assert uploaded(sender) - before == 3 * nbytes(want)
+        assert sent == 3 * nbytes(want)
         assert all(list(r.last_recv_stats.paths) == [sender.metadata()] for r in receivers)
         assert all(r.sent_bytes == 0 for r in receivers)
 
@@ -343,12 +351,7 @@ def test_with_several_io_threads_a_direct_receive_is_striped_and_a_member_keeps_
     sender = make_transport(checksum=True)
     receivers = [make_transport(io_threads=2, progress=slow(0.004)) for _ in range(3)]
     want = state()
-    sender.send_checkpoint([1], 1, want, TIMEOUT)
-    assert same(receivers[0].recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
-    sender.send_checkpoint([1, 2, 3], 2, want, TIMEOUT)
-    before = uploaded(sender)
-    results = fetch_all(receivers, sender.metadata(), 2, stagger=0.02)
-    assert all(same(got, want) for got in results), results
+    _, sent = measured_then_all(sender, receivers, want)
     stats = [r.last_recv_stats for r in receivers]
     if link_bound:
         assert [s.path for s in stats] == ["swarm"] * 3
@@ -360,5 +363,5 @@ def test_with_several_io_threads_a_direct_receive_is_striped_and_a_member_keeps_
         # Every byte from the source. Spans a receive cancels mid-flight (they moved to a lane with room) or
         # fetches twice (a lane that fell behind, in the end game) pass three states a little: slowed
         # receivers on a loaded machine, 1.1-1.3x here.
-        assert 3 * nbytes(want) <= uploaded(sender) - before <= 3 * nbytes(want) * 2
+        assert 3 * nbytes(want) <= sent <= 3 * nbytes(want) * 2
         assert all(list(s.paths) == [sender.metadata()] for s in stats)
