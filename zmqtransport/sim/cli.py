@@ -89,7 +89,12 @@ def simulate(
     state_bytes = wire.plan_bytes(staged.plan)
     source_host = host("10.0.0.1", rate_mbit, latency, cores_for(), tbf)
     limits = Limits() if source_transfers is None else Limits(transfers=source_transfers)
-    source = Server(net, source_host, Scheduler(TIMEOUT, STALL, limits, is_local=lambda _: False), staged)
+    # Relay tokens drawn by the seed too: past MAX_PEERS a member's pick of peers is seeded by its token.
+    tokens = random.Random(f"tokens {seed}")  # noqa: S311 (the model's tokens guard nothing)
+    scheduler = Scheduler(
+        TIMEOUT, STALL, limits, make_token=lambda: tokens.randbytes(wire.RELAY_TOKEN_BYTES), is_local=lambda _: False
+    )
+    source = Server(net, source_host, scheduler, staged)
     order = list(range(receivers))
     rng.shuffle(order)  # who is slow, who dies, who lies: drawn by the seed
     slow = set(order[: receivers // 4]) if mixed else set()
