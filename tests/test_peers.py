@@ -166,7 +166,7 @@ def test_past_have_peers_each_peer_is_asked_less_often_so_a_member_asks_as_many_
     assert peers.next_due({1}) == HAVE_EVERY
 
 
-def test_past_max_peers_a_member_takes_on_a_random_half_of_the_members_it_hears_of_at_most_twice_max_peers() -> None:
+def test_past_max_peers_a_member_takes_on_a_random_half_of_the_members_it_hears_of() -> None:
     # A job start of 64 to 256 replica groups (docs/sim.md, "A partial view"): a member fetches from at
     # most MAX_PEERS, or half the members the source named to it if more, each a random pick (the model
     # at 64 receivers: slowest 1.47 -> 1.38x the ideal, two liars 1.62 -> 1.47x, a tenth killed
@@ -187,10 +187,6 @@ def test_past_max_peers_a_member_takes_on_a_random_half_of_the_members_it_hears_
     for peer in range(1, 11):
         peers.drop(peer)  # dropped ones free their places for members named later
     assert len(peers.learn(named(100, 20))) == 120 // 2 - 40  # half of 120 heard of, 40 not dropped
-    # ... and never more than 2 x MAX_PEERS: at 256 receivers half the swarm made each member's planner
-    # pass and questions cost what 127 peers cost (the model: 4.17x the ideal, 64 at most: 3.60x).
-    assert len(peers.learn(named(120, 300))) == 2 * MAX_PEERS - 60  # 60 not dropped
-    assert len(peers.tokens) - 10 == 2 * MAX_PEERS
     # The pick is random, but the same for the same receive's token (the model's runs repeat).
     twin = Peers(OWN, named(0, 40))
     assert [p.token for p in twin.learn()] == [p.token for p in first]

@@ -52,11 +52,9 @@ HAVE_REFRESH = 0.1
 HAVE_PEERS = 16
 # Peers one receive fetches from at most (not counting those it dropped): past
 # it, a random sample of the members it hears of, as a BitTorrent client keeps
-# a few dozen of a swarm's peers: half of them, and never more than twice
-# this. A view of a quarter of the swarm made members ask the source for more
-# (the model at 128 receivers: 32 peers 2.34x the ideal, half 2.09-2.24x); half
-# of 255 made each member's planner pass and questions cost what 127 peers cost
-# (256 receivers: half 4.17x, at most 64 3.60x; docs/sim.md, "A partial view").
+# a few dozen of a swarm's peers. Each member is then known to about this many
+# others whatever the swarm's size, and a receive's lanes, its planner's pass
+# and the wait between two questions to one peer stay what this many cost.
 MAX_PEERS = 32
 # Seconds between two questions to the source about the swarm's members.
 MEMBERS_EVERY = 0.05
@@ -132,12 +130,11 @@ class Peers:
         return fresh
 
     def _admit(self, tokens: Sequence[bytes]) -> set[bytes]:
-        """Of ``tokens``, the new members this receive takes on: all while it has fewer peers it has not
-        dropped than :data:`MAX_PEERS`, or half the members it heard of, at most twice :data:`MAX_PEERS`;
-        else a random sample that fills it up."""
+        """Of ``tokens``, the new members this receive takes on: all while it has fewer than
+        :data:`MAX_PEERS` peers it has not dropped, else a random sample that fills it up."""
         new = list(dict.fromkeys(t for t in tokens if t != self.own_token and t not in self._ids))
         self._heard.update(new)
-        room = min(2 * MAX_PEERS, max(MAX_PEERS, len(self._heard) // 2)) - (len(self._ids) - len(self._dropped))
+        room = max(MAX_PEERS, len(self._heard) // 2) - (len(self._ids) - len(self._dropped))
         if len(new) <= room:
             return set(new)
         return set(self._pick.sample(new, max(0, room)))
