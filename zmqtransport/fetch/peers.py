@@ -50,11 +50,12 @@ HAVE_REFRESH = 0.1
 # they are what 16 busy peers cost, and the model's 32 and 64 receivers finish
 # as fast (docs/sim.md, "Questions past 16 peers").
 HAVE_PEERS = 16
-# Peers one receive fetches from at most (not counting those it dropped): past
-# it, a random sample of the members it hears of, as a BitTorrent client keeps
-# a few dozen of a swarm's peers. Each member is then known to about this many
-# others whatever the swarm's size, and a receive's lanes, its planner's pass
-# and the wait between two questions to one peer stay what this many cost.
+# Peers one receive takes on (not counting those it dropped) before it starts
+# to choose: past it, a random half of the members it hears of, as a
+# BitTorrent client keeps a few dozen of a swarm's peers. The source names a
+# member at most its relay order's 64 and the newest 64, so at 256 receivers
+# a member keeps 32 to about 64 peers, and its lanes, its planner's pass and
+# the wait between two questions to one peer stay what that many cost.
 MAX_PEERS = 32
 # Seconds between two questions to the source about the swarm's members.
 MEMBERS_EVERY = 0.05
@@ -130,8 +131,9 @@ class Peers:
         return fresh
 
     def _admit(self, tokens: Sequence[bytes]) -> set[bytes]:
-        """Of ``tokens``, the new members this receive takes on: all while it has fewer than
-        :data:`MAX_PEERS` peers it has not dropped, else a random sample that fills it up."""
+        """Of ``tokens``, the new members this receive takes on: all while its peers not dropped stay within
+        :data:`MAX_PEERS`, or within half the members it has heard of if more; else a random sample that
+        fills it up to that."""
         new = list(dict.fromkeys(t for t in tokens if t != self.own_token and t not in self._ids))
         self._heard.update(new)
         room = max(MAX_PEERS, len(self._heard) // 2) - (len(self._ids) - len(self._dropped))
