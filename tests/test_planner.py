@@ -37,6 +37,7 @@ from zmqtransport.fetch.planner import (
     Send,
     Swarm,
     Ticks,
+    Wake,
     claim_size,
     source_depth,
 )
@@ -736,6 +737,38 @@ def test_a_data_message_that_lands_asks_nothing_new_so_the_owner_need_not_tick_a
     assert len(net.streams[peer].sent) > asked[peer]
 
 
+def test_an_answer_that_changes_nothing_asks_for_no_pass_before_the_peers_next_turn() -> None:
+    # In a swarm of dozens most answers to "what do you hold?" repeat the last one; a pass after each
+    # was most of a member's passes (9 receivers in the lab: 652 a receive, 345 without them).
+    net = with_a_peer()
+    peer = 1
+    ticks = Ticks()
+
+    def answer(holds: int) -> list[Wake]:
+        net.tick(net.now + 0.11)  # its turn has come (it owes a span: not yet long enough to drop it)
+        [question] = [q for q in net.plan.registry.of(Question) if q.peer == peer]
+        net.streams[peer].put(wire.have_reply(question.xfer, holds, net.plan.messages))
+        reply = net.streams[peer].reply("the peer")
+        assert reply is not None
+        ticks.ticked(net.plan.wake_at(net.now))
+        ticks.replied(reply)
+        actions = net.plan.on_reply(peer, reply, "the peer", net.now)
+        for action in actions:
+            ticks.carried(action)
+        net.carry_out(actions)
+        return [action for action in actions if isinstance(action, Wake)]
+
+    [wake] = answer(0xFF)  # what it said before
+    assert wake.at > net.now and not ticks.due(net.now)
+    sent = [len(stream.sent) for stream in net.streams]
+    net.tick()  # what a pass would do now: nothing
+    assert [len(stream.sent) for stream in net.streams] == sent
+    net.tick(wake.at)  # at its turn it is asked again
+    assert [q for q in net.plan.registry.of(Question) if q.peer == peer]
+    [wake] = answer(0x7F)  # news: a pass at once
+    assert wake.at == net.now and ticks.due(net.now)
+
+
 def test_ticks_are_due_at_the_wake_time_or_at_once_after_a_change() -> None:
     ticks = Ticks()
     assert ticks.due(0.0)  # the first pass ticks
@@ -749,6 +782,12 @@ def test_ticks_are_due_at_the_wake_time_or_at_once_after_a_change() -> None:
     ticks.ticked(5.0)
     ticks.changed()  # a connection came up or went down
     assert ticks.due(0.0)
+    ticks.ticked(5.0)
+    ticks.carried(Wake(7.0))  # an answer that can wait: the earlier time stands
+    assert not ticks.due(4.9) and ticks.due(5.0)
+    ticks.ticked(9.0)
+    ticks.carried(Wake(7.0))
+    assert not ticks.due(6.9) and ticks.due(7.0)
 
 
 def test_a_member_of_a_large_swarm_claims_one_message_at_a_time() -> None:

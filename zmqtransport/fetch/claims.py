@@ -64,12 +64,14 @@ class Holdings:
         self.backed: dict[int, float] = {}  # peer -> when its claims were last backed (or first made)
         self.lapsed: dict[int, int] = {}  # peer -> what it still claims, not believed until it backs a claim
 
-    def report(self, peer: int, have: int, coming: int, now: float) -> None:
+    def report(self, peer: int, have: int, coming: int, now: float) -> bool:
         """``peer`` says it holds ``have`` and is fetching ``coming``: what it holds grew (its claims are
         backed, and believed again if they had lapsed), or it claims anew (their clock starts now), or
-        neither (it keeps running)."""
+        neither (it keeps running). Whether the report is news (what it is believed to hold or fetch
+        changed): one that is not changes no decision before the time the last one named."""
         if peer == self.source:
-            return
+            return False
+        was = (self.held.get(peer, -1), self.coming.get(peer), self.lapsed.get(peer))
         before = self.held.get(peer) or 0
         held = have & self.everything
         if held & ~before:
@@ -81,6 +83,7 @@ class Holdings:
         if peer in self.lapsed:
             self.lapsed[peer], claims = claims, 0
         self.coming[peer] = claims
+        return was != (self.held[peer], claims, self.lapsed.get(peer))
 
     def delivered(self, peer: int, now: float) -> None:
         """A message from ``peer`` arrived at ``now``: it is serving, its claims are backed."""

@@ -174,5 +174,7 @@ class Owner:
                 case plans.Fetching(asked=asked):
                     if self.inbox.duty is not None:
                         self.inbox.duty.fetching(asked)
+                case plans.Wake():
+                    pass  # self.ticks took it
                 case plans.Fail(error=error):
                     raise error

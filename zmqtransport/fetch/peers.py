@@ -179,6 +179,12 @@ class Peers:
             turns[peer] = self._next_ask.get(peer, -math.inf) + busy_after * (peer in busy)
         return turns
 
+    def turn_of(self, peer: int, busy: bool) -> float:
+        """When ``peer`` (not the source; ``busy``: this receive has work for it) is next due once it has
+        no question outstanding, as :meth:`_turns` counts it."""
+        busy_after = (HAVE_REFRESH - self._every()) * self.spread()
+        return self._next_ask.get(peer, -math.inf) + busy_after * busy
+
     def asking(self, peer: int, xfer: int, now: float, claim: bool = False) -> Question:
         """Question ``xfer`` goes to ``peer`` (to the source: with a ``claim``, or not)."""
         question = Question(xfer, peer, now, self._next_ask.get(peer, -math.inf), claim)

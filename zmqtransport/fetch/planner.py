@@ -198,13 +198,21 @@ class Fetching:
 
 
 @dataclass(slots=True)
+class Wake:
+    """Pass again (:meth:`ReceivePlanner.tick`) no later than ``at``: what came asks nothing of this
+    receive before then (a peer's answer that changes nothing it knows: only its next question is due)."""
+
+    at: float
+
+
+@dataclass(slots=True)
 class Fail:
     """The receive fails with ``error``."""
 
     error: Exception
 
 
-Action = Send | Cancel | Close | Connect | Discard | Receive | Land | Fetching | Fail
+Action = Send | Cancel | Close | Connect | Discard | Receive | Land | Fetching | Wake | Fail
 
 
 @dataclass(frozen=True)
@@ -379,7 +387,7 @@ class Outgoing:
         (``ProtocolError``: it answers no question, or a peer's does not fit the plan)."""
         plan, peers = self.plan, self.plan.peers
         if lane.token is None and plan.registry.settled_as(reply.xfer) in (KEEPALIVE, FORGOTTEN):
-            return []  # the answer to a sign of life, or a late one to a question given up on
+            return [Wake(now)]  # the answer to a sign of life, or a late one to a question given up on
         question = peers.question(reply.xfer) if peers is not None else None
         peer = peers.answered(reply.xfer) if peers is not None else None
         if peer is None or peers is None or question is None or peer != lane.peer:
@@ -387,13 +395,16 @@ class Outgoing:
         if peer == SOURCE:
             self.source_answered(question, reply.claimed)
             if plan.digests is not None:  # peers only while their bytes can be checked
-                return [Connect(new) for new in peers.learn(reply.peers)]
+                return [*(Connect(new) for new in peers.learn(reply.peers)), Wake(now)]
         elif not peers.dropped(peer):
             have = reply.have or 0  # a peer that says "everything" (no bits) is believed to hold nothing
             if (have | reply.coming) >> plan.messages or reply.peers or reply.claimed is not None:
                 raise ProtocolError(f"{who}: a have reply that does not fit the plan, or speaks for the source")
-            plan.book.holds(peer, have, reply.coming, now)
-        return []
+            if not plan.book.holds(peer, have, reply.coming, now):
+                # Most answers in a swarm of dozens: a pass now would find nothing due that the last
+                # one's wake time does not already name, but for this peer's next question.
+                return [Wake(max(now, peers.turn_of(peer, plan.book.has_work_for(peer))))]
+        return [Wake(now)]
 
     def source_answered(self, question: Question, claimed: tuple[int, ...] | None) -> None:
         """The source answered ``question`` (or it was given up on); if it claimed, with what the source
@@ -566,13 +577,16 @@ class Ticks:
         self.at = -math.inf
 
     def replied(self, reply: wire.Reply) -> None:
-        if reply.op != wire.OP_DATA:
+        """A reply came: a ``have`` answer says by its :class:`Wake` when it calls for a pass."""
+        if reply.op not in (wire.OP_DATA, wire.OP_HAVE):
             self.changed()
 
     def carried(self, action: Action) -> None:
         """The owner carried out ``action``: one that changes the receive's streams or fails it calls
         for a tick (a data message's own actions do not, unless it dropped its peer)."""
-        if not isinstance(action, (Receive, Land, Discard, Fetching, Send)):
+        if isinstance(action, Wake):
+            self.at = min(self.at, action.at)
+        elif not isinstance(action, (Receive, Land, Discard, Fetching, Send)):
             self.changed()
 
 

@@ -362,10 +362,10 @@ class SpanBook:
         self._streams.append(_Stream(peer, data))
         return len(self._streams) - 1
 
-    def holds(self, peer: int, have: int, coming: int = 0, now: float = 0.0) -> None:
+    def holds(self, peer: int, have: int, coming: int = 0, now: float = 0.0) -> bool:
         """``peer`` reported holding the messages set in ``have`` and fetching those in ``coming``
-        (bit sets; out-of-plan bits are ignored), at ``now``."""
-        self._holds.report(peer, have, coming, now)
+        (bit sets; out-of-plan bits are ignored), at ``now``; whether that is news (:meth:`.Holdings.report`)."""
+        return self._holds.report(peer, have, coming, now)
 
     def unbacked(self, now: float) -> list[int]:
         """Peers whose claims to be fetching what this receive wants have gone unbacked past their

@@ -445,7 +445,8 @@ class Member:
         if self.plan.lanes[conn.index].gone:
             return  # the owner reads no stream it closed
         self._carry_out(self.plan.on_reply(conn.index, reply, conn.server.host.name, now), conn)
-        self._tick(now)
+        if reply.op != wire.OP_HAVE:  # an answer says when it calls for a pass (plans.Wake)
+            self._tick(now)
 
     def _carry_out(self, actions: list[plans.Action], conn: Conn | None = None) -> None:
         plan = self.plan
@@ -479,6 +480,8 @@ class Member:
                 case plans.Fetching(asked=asked):
                     if self.relayed is not None:
                         self.relayed.coming = asked
+                case plans.Wake(at=at):
+                    self._tick(at)
                 case plans.Fail(error=error):
                     self._fail(f"{type(error).__name__}: {error}")
 
