@@ -354,6 +354,54 @@ def test_a_path_that_never_connects_is_dropped_and_a_stalled_source_fails_the_re
         net.tick(2.0)
 
 
+def test_a_second_connection_over_a_path_that_connected_is_waited_for_not_dropped() -> None:
+    # 40 receivers on two cores: a member's questions-only connection to the source handshook after
+    # CONNECT_BOUND, was dropped, and its questions then queued behind the data of the other one.
+    net = planner(stall=2.0, swarm=Swarm(OWN))
+    net.carry_out(net.plan.start())
+    data = net.add()
+    questions = net.add(questions=True, up=False)
+    net.plan.lanes[questions].endpoint = net.plan.lanes[data].endpoint  # one path, two connections
+    other = net.add(up=False)  # another path of the source, which never connects
+    net.tick()
+    net.tick(CONNECT_BOUND + 0.01)
+    assert net.plan.lanes[other].gone == "did not connect"
+    assert not net.plan.lanes[questions].gone
+    net.plan.connection(questions, True, None)  # it comes up at last, and carries the questions
+    net.tick(CONNECT_BOUND + 0.1)
+    assert net.requests(questions, wire.OP_HAVE)
+
+
+def test_a_members_slow_path_to_the_source_is_not_stalled_while_the_source_answers_its_questions() -> None:
+    # 63 members at 100 Mbit/s (docs/performance.md, "The swarm on 16 cores"): each member's flows get
+    # a share of the source's uplink, and a span's first message came later than stall_timeout while
+    # the source answered every question; the member dropped its data path and failed its receive.
+    net = planner(stall=2.0, swarm=Swarm(OWN))
+    net.carry_out(net.plan.start())
+    questions, data = net.add(questions=True), net.add()
+
+    def answer_the_source() -> None:
+        for question in [q for q in net.plan.registry.of(Question) if q.peer == SOURCE]:
+            claimed = (0, 4) if question.claim and not net.spans(data) else ()
+            net.answer(questions, wire.have_reply(question.xfer, None, net.plan.messages, claimed=claimed))
+
+    net.tick()
+    answer_the_source()
+    net.tick(0.01)
+    assert net.spans(data)  # asked of the data path, and never served
+    at = 0.01
+    while at < 5.0:
+        at += 0.05
+        net.tick(at)
+        answer_the_source()
+    assert not net.plan.lanes[data].gone and not net.failed
+    # A source that answers nothing either is stalled, as before: the data path is dropped, and with it
+    # the last of the source's paths that can serve.
+    with pytest.raises(ConnectionLostError, match=r"sent nothing for 2 s \(stall_timeout\)"):
+        for step in range(1, 50):
+            net.tick(at + step * 0.05)
+
+
 def test_a_stream_that_takes_no_requests_is_dropped() -> None:
     net = planner()
     net.add(), net.add()

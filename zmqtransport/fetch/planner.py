@@ -622,6 +622,7 @@ class ReceivePlanner:
         self.book = SpanBook(self.messages, 0, span, offset=offset, registry=self.registry)
         self.lanes: list[Lane] = []  # a stream's index is its place here (and in the span book)
         self.duplicates = 0  # messages that landed twice (the second copy dropped)
+        self.source_heard = -math.inf  # when the source last sent this receive anything, on any connection
         self.peers: Peers | None = None
         # How peers' messages are checked (None: no peers, or nothing they send can be checked any more).
         self.digests: DigestBook | None = None
@@ -713,13 +714,26 @@ class ReceivePlanner:
                 continue
             lane.interrupted = False
             # A path of the source that does not connect is given up on (it may
-            # never: see racing); a peer's is simply given no work until it does.
-            if not lane.established and now - lane.added >= CONNECT_BOUND and lane.peer == SOURCE:
+            # never: see racing); a peer's is simply given no work until it does,
+            # and so is a second connection over a path of the source that did
+            # connect (the path is there; a source serving dozens handshakes late).
+            if (
+                not lane.established
+                and now - lane.added >= CONNECT_BOUND
+                and lane.peer == SOURCE
+                and not self._path_connected(lane)
+            ):
                 actions += self._drop(index, "did not connect")
                 continue
             self.book.connected(index, lane.established and lane.lost_at is None and not self.out.resting(lane, now))
             owed = [span for span in self.book.outstanding(index) if not span.finished]
             silent = now - min(self.book.silent_since(s) for s in owed) if owed else 0.0
+            if lane.token is None and self.peers is not None:
+                # A member's connections to the source share its uplink with every other member's: each
+                # flow gets a share, and a span's data may take longer than the stall bound while the
+                # source answers this receive's questions on its other connection. Stalled is a source
+                # that sends this receive nothing at all; a slow path's spans go to others (takeovers).
+                silent = min(silent, now - self.source_heard)
             if (stall := self.terms.stall_timeout) is not None and silent >= stall:
                 actions += self._drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
             elif lane.token is not None and silent >= quiet_first and silent >= self.book.quiet_after(index):
@@ -729,6 +743,13 @@ class ReceivePlanner:
             actions += self._drop_peer(peer, "it claims to be fetching what this receive wants, and for its "
                                        "claim bound neither came to hold more nor sent anything")
         return actions
+
+    def _path_connected(self, lane: Lane) -> bool:
+        """Whether another connection to ``lane``'s peer over the same endpoint has connected."""
+        return any(
+            other is not lane and other.peer == lane.peer and other.endpoint == lane.endpoint and other.established
+            for other in self.lanes
+        )
 
     # ------------------------------------------------------------------ replies
 
@@ -743,6 +764,8 @@ class ReceivePlanner:
 
     def _on_reply(self, stream: int, reply: wire.Reply, who: str, now: float) -> list[Action]:
         op = reply.op
+        if self.lanes[stream].token is None:
+            self.source_heard = now
         if op == wire.OP_DATA and reply.more:
             return self._on_data(stream, reply, who, now)
         if op == wire.OP_END and not reply.more:
