@@ -502,6 +502,19 @@ def test_released_frames_count_as_progress_against_the_stall_bound() -> None:
     assert net.ops(b"a") == [("header", None), ("error", wire.ERR_STALLED)]
 
 
+def test_a_transfer_behind_another_on_its_connection_is_not_stalled_while_that_one_drains() -> None:
+    net = Net(Scheduler(TIMEOUT, stall=STALL))
+    net.execute(net.scheduler.stage(staged(messages=100), net.now))
+    net.request(b"a", fetch(1, credit=2))
+    net.request(b"a", fetch(2, credit=0))  # its credit comes once the first one's data has gone
+    net.pump()
+    for _ in range(5):  # the connection drains the first transfer's frames, slowly
+        net.now += STALL * 0.9
+        net.scheduler.progress({(b"a", 1)}, net.now)
+        net.tick(0)
+    assert (b"a", 2) in net.scheduler.transfers and ("error", wire.ERR_STALLED) not in net.ops(b"a")
+
+
 def test_stall_bound_is_separate_from_and_at_most_the_timeout() -> None:
     assert Scheduler(TIMEOUT, stall=STALL).stall == STALL
     assert Scheduler(TIMEOUT, stall=TIMEOUT * 2).stall == TIMEOUT

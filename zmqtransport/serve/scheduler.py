@@ -154,12 +154,15 @@ class Scheduler:
             self.parked.append(action.parked)
 
     def progress(self, keys: set[Key], now: float) -> None:
-        """The receivers of these transfers took data (libzmq released frames queued for them)."""
+        """The receivers of these transfers took data (libzmq released frames queued for them).
+
+        A receiver that takes data on its connection is taking it for every transfer it runs there: a
+        transfer behind another on one connection waits for that one's frames, not for its receiver
+        (a swarm member whose flow has a share of a busy uplink reads each span in turn, slowly)."""
         peers = {peer for peer, _ in keys}
         for transfer in self.transfers.values():
-            if transfer.key in keys:
-                transfer.last_progress = now
             if transfer.peer in peers:
+                transfer.last_progress = now
                 transfer.paused = False  # its connection drains
 
     def resume(self) -> None:
