@@ -444,8 +444,11 @@ class Member:
             return  # the header's end marker (receive.receive_end)
         if self.plan.lanes[conn.index].gone:
             return  # the owner reads no stream it closed
-        self._carry_out(self.plan.on_reply(conn.index, reply, conn.server.host.name, now), conn)
-        if reply.op != wire.OP_HAVE:  # an answer says when it calls for a pass (plans.Wake)
+        actions = self.plan.on_reply(conn.index, reply, conn.server.host.name, now)
+        self._carry_out(actions, conn)
+        # An answer says when it calls for a pass (plans.Wake); anything else, or an answer that broke
+        # the protocol, at once.
+        if reply.op != wire.OP_HAVE or not any(isinstance(action, plans.Wake) for action in actions):
             self._tick(now)
 
     def _carry_out(self, actions: list[plans.Action], conn: Conn | None = None) -> None:
