@@ -23,6 +23,7 @@ from zmqtransport.fetch.liveness import CONNECT_BOUND, RECONNECT_GRACE
 from zmqtransport.fetch.planner import (
     CLAIM_MESSAGES,
     KEEPALIVE_EVERY,
+    LATE_CONNECT_BOUND,
     SOURCE_PATIENCE,
     Action,
     Cancel,
@@ -357,7 +358,7 @@ def test_a_path_that_never_connects_is_dropped_and_a_stalled_source_fails_the_re
 def test_a_second_connection_over_a_path_that_connected_is_waited_for_not_dropped() -> None:
     # 40 receivers on two cores: a member's questions-only connection to the source handshook after
     # CONNECT_BOUND, was dropped, and its questions then queued behind the data of the other one.
-    net = planner(stall=2.0, swarm=Swarm(OWN))
+    net = planner(swarm=Swarm(OWN))
     net.carry_out(net.plan.start())
     data = net.add()
     questions = net.add(questions=True, up=False)
@@ -370,6 +371,13 @@ def test_a_second_connection_over_a_path_that_connected_is_waited_for_not_droppe
     net.plan.connection(questions, True, None)  # it comes up at last, and carries the questions
     net.tick(CONNECT_BOUND + 0.1)
     assert net.requests(questions, wire.OP_HAVE)
+    # One that never comes up is given up on too, later: its questions would wait on it.
+    late = net.add(questions=True, up=False)
+    net.plan.lanes[late].endpoint = net.plan.lanes[data].endpoint
+    net.tick(net.now + CONNECT_BOUND + 0.01)
+    assert not net.plan.lanes[late].gone
+    net.tick(net.now + LATE_CONNECT_BOUND)
+    assert net.plan.lanes[late].gone == "did not connect"
 
 
 def test_a_members_slow_path_to_the_source_is_not_stalled_while_the_source_answers_its_questions() -> None:

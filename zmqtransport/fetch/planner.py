@@ -53,6 +53,10 @@ logger = logging.getLogger("zmqtransport.fetch")
 # How long the owner waits before the planner is asked again (connections
 # coming up, takeovers due), when nothing else wakes it sooner.
 CHECK_EVERY = 0.1
+# Seconds a second connection to the source, over a path where another one connected, gets to
+# handshake (CONNECT_BOUND: one over a path where none did). 40 receivers on two cores: a
+# member's questions-only connection came up after CONNECT_BOUND.
+LATE_CONNECT_BOUND = 5.0
 # Spans one stream should get over a receive at the least: with fewer, one
 # slow stream's outstanding spans are a large part of the whole.
 MIN_SPANS_PER_STREAM = 4
@@ -714,17 +718,16 @@ class ReceivePlanner:
                 continue
             lane.interrupted = False
             # A path of the source that does not connect is given up on (it may
-            # never: see racing); a peer's is simply given no work until it does,
-            # and so is a second connection over a path of the source that did
-            # connect (the path is there; a source serving dozens handshakes late).
-            if (
-                not lane.established
-                and now - lane.added >= CONNECT_BOUND
-                and lane.peer == SOURCE
-                and not self._path_connected(lane)
-            ):
-                actions += self._drop(index, "did not connect")
-                continue
+            # never: see racing); a peer's is simply given no work until it does.
+            # A second connection over a path of the source that did connect gets
+            # longer (the path is there; a source serving dozens handshakes late),
+            # but not for ever: its questions would wait on it (a source at its
+            # connection cap refuses it).
+            if not lane.established and lane.peer == SOURCE:
+                bound = LATE_CONNECT_BOUND if self._path_connected(lane) else CONNECT_BOUND
+                if now - lane.added >= bound:
+                    actions += self._drop(index, "did not connect")
+                    continue
             self.book.connected(index, lane.established and lane.lost_at is None and not self.out.resting(lane, now))
             owed = [span for span in self.book.outstanding(index) if not span.finished]
             silent = now - min(self.book.silent_since(s) for s in owed) if owed else 0.0
