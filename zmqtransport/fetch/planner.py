@@ -554,6 +554,34 @@ class Outgoing:
 # ----------------------------------------------------------------------------- when to ask the planner
 
 
+def connect_overdue(lane: Lane, lanes: Sequence[Lane], now: float) -> bool:
+    """Whether ``lane``, a connection to the source that has not come up, is given up on.
+
+    A path of the source that does not connect within :data:`CONNECT_BOUND` may never (see racing); a
+    peer's is simply given no work until it does. A second connection over a path of the source where
+    another one came up gets :data:`LATE_CONNECT_BOUND` (the path is there; a source serving dozens
+    handshakes late), but not for ever: questions would wait on it (a source at its cap refuses it)."""
+    if lane.established or lane.peer != SOURCE:
+        return False
+    path_up = any(o is not lane and o.endpoint == lane.endpoint and o.established for o in lanes if o.peer == SOURCE)
+    return now - lane.added >= (LATE_CONNECT_BOUND if path_up else CONNECT_BOUND)
+
+
+def silent_for(book: SpanBook, index: int, lane: Lane, source_heard: float | None, now: float) -> float:
+    """How long stream ``index`` (``lane``) has sent nothing of what it owes (0: it owes nothing).
+
+    A swarm member's connections to the source (``source_heard``: when the source last sent the receive
+    anything, on any connection) share its uplink with every other member's: each flow gets a share, and
+    a span's data may take longer than the stall bound while the source answers this receive's questions
+    on its other connection. Stalled is a source that sends the receive nothing at all; a slow path's
+    spans go to others (takeovers)."""
+    owed = [span for span in book.outstanding(index) if not span.finished]
+    silent = now - min(book.silent_since(s) for s in owed) if owed else 0.0
+    if lane.token is None and source_heard is not None:
+        silent = min(silent, now - source_heard)
+    return silent
+
+
 class Ticks:
     """When the socket owner asks the planner again (:meth:`ReceivePlanner.tick`): at the time the last
     tick named (:meth:`ReceivePlanner.wake_at`), or at once after anything but a data message that landed.
@@ -667,10 +695,8 @@ class ReceivePlanner:
 
     def tick(self, now: float) -> list[Action]:
         """Time passed: streams dropped or given work again, every request due, the receive's bounds."""
-        actions = self._follow(now)
-        actions += self.out.due(now)
-        actions += bounds(self.lanes, self.terms, self.book.missing, self.messages, now)
-        return actions
+        actions = self._follow(now) + self.out.due(now)
+        return actions + bounds(self.lanes, self.terms, self.book.missing, self.messages, now)
 
     def wake_at(self, now: float) -> float:
         """When :meth:`tick` is next due, if no reply comes sooner."""
@@ -717,26 +743,11 @@ class ReceivePlanner:
                     actions += self._cancel(self.book.interrupted(index))
                 continue
             lane.interrupted = False
-            # A path of the source that does not connect is given up on (it may
-            # never: see racing); a peer's is simply given no work until it does.
-            # A second connection over a path of the source that did connect gets
-            # longer (the path is there; a source serving dozens handshakes late),
-            # but not for ever: its questions would wait on it (a source at its
-            # connection cap refuses it).
-            if not lane.established and lane.peer == SOURCE:
-                bound = LATE_CONNECT_BOUND if self._path_connected(lane) else CONNECT_BOUND
-                if now - lane.added >= bound:
-                    actions += self._drop(index, "did not connect")
-                    continue
+            if connect_overdue(lane, self.lanes, now):
+                actions += self._drop(index, "did not connect")
+                continue
             self.book.connected(index, lane.established and lane.lost_at is None and not self.out.resting(lane, now))
-            owed = [span for span in self.book.outstanding(index) if not span.finished]
-            silent = now - min(self.book.silent_since(s) for s in owed) if owed else 0.0
-            if lane.token is None and self.peers is not None:
-                # A member's connections to the source share its uplink with every other member's: each
-                # flow gets a share, and a span's data may take longer than the stall bound while the
-                # source answers this receive's questions on its other connection. Stalled is a source
-                # that sends this receive nothing at all; a slow path's spans go to others (takeovers).
-                silent = min(silent, now - self.source_heard)
+            silent = silent_for(self.book, index, lane, self.source_heard if self.peers is not None else None, now)
             if (stall := self.terms.stall_timeout) is not None and silent >= stall:
                 actions += self._drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
             elif lane.token is not None and silent >= quiet_first and silent >= self.book.quiet_after(index):
@@ -746,13 +757,6 @@ class ReceivePlanner:
             actions += self._drop_peer(peer, "it claims to be fetching what this receive wants, and for its "
                                        "claim bound neither came to hold more nor sent anything")
         return actions
-
-    def _path_connected(self, lane: Lane) -> bool:
-        """Whether another connection to ``lane``'s peer over the same endpoint has connected."""
-        return any(
-            other is not lane and other.peer == lane.peer and other.endpoint == lane.endpoint and other.established
-            for other in self.lanes
-        )
 
     # ------------------------------------------------------------------ replies
 
