@@ -168,7 +168,7 @@ class Peers:
         again once it is back."""
         waiting = {question.peer for question in self.registry.of(Question)}
         turns: dict[int, float] = {}
-        busy_after = (HAVE_REFRESH - self._every()) * self.spread()  # a busy peer's turn, past an idle one's
+        busy_after = self._busy_after()
         for peer in reachable:
             if peer in waiting or peer in self._dropped:
                 continue
@@ -182,8 +182,11 @@ class Peers:
     def turn_of(self, peer: int, busy: bool) -> float:
         """When ``peer`` (not the source; ``busy``: this receive has work for it) is next due once it has
         no question outstanding, as :meth:`_turns` counts it."""
-        busy_after = (HAVE_REFRESH - self._every()) * self.spread()
-        return self._next_ask.get(peer, -math.inf) + busy_after * busy
+        return self._next_ask.get(peer, -math.inf) + self._busy_after() * busy
+
+    def _busy_after(self) -> float:
+        """How much later than an idle peer's a busy peer's turn comes."""
+        return (HAVE_REFRESH - self._every()) * self.spread()
 
     def asking(self, peer: int, xfer: int, now: float, claim: bool = False) -> Question:
         """Question ``xfer`` goes to ``peer`` (to the source: with a ``claim``, or not)."""

@@ -563,7 +563,8 @@ def connect_overdue(lane: Lane, lanes: Sequence[Lane], now: float) -> bool:
     handshakes late), but not for ever: questions would wait on it (a source at its cap refuses it)."""
     if lane.established or lane.peer != SOURCE:
         return False
-    path_up = any(o is not lane and o.endpoint == lane.endpoint and o.established for o in lanes if o.peer == SOURCE)
+    # Another connection over its path came up (``lane`` itself is not up: it counts for nothing here).
+    path_up = any(o.endpoint == lane.endpoint and o.established for o in lanes if o.peer == SOURCE)
     return now - lane.added >= (LATE_CONNECT_BOUND if path_up else CONNECT_BOUND)
 
 
