@@ -5,7 +5,16 @@ from __future__ import annotations
 import math
 
 from zmqtransport import wire
-from zmqtransport.fetch.peers import HAVE_EVERY, MEMBERS_EVERY, Peers, start_offset
+from zmqtransport.fetch.peers import (
+    HAVE_EVERY,
+    MEMBERS_EVERY,
+    QUESTION_BURST,
+    QUESTION_FLOOR,
+    QUESTIONS_PER_MIB,
+    Peers,
+    QuestionBudget,
+    start_offset,
+)
 from zmqtransport.fetch.spans import SOURCE
 
 A, B, C, OWN = (bytes([n]) * 16 for n in (1, 2, 3, 9))
@@ -192,3 +201,35 @@ def test_past_max_peers_a_member_takes_on_a_random_half_of_the_members_it_hears_
     assert [p.token for p in twin.learn()] == [p.token for p in first]
     other = Peers(A, named(0, 40))
     assert [p.token for p in other.learn()] != [p.token for p in first]
+
+
+def test_a_question_budget_is_earned_by_what_lands_and_by_time_and_saved_up_to_a_burst() -> None:
+    budget = QuestionBudget()
+    assert budget.allows(0.0) == QUESTION_BURST  # a receive starts with a burst saved
+    budget.spend(int(QUESTION_BURST))
+    assert budget.allows(0.0) == 0 and budget.ready_at() == 1 / QUESTION_FLOOR
+    assert budget.allows(0.25) == int(0.25 * QUESTION_FLOOR) == 5  # the floor
+    budget.spend(5)
+    budget.landed(1 << 20)  # a MiB landed
+    assert budget.allows(0.25) == QUESTIONS_PER_MIB and budget.ready_at() == -math.inf
+    budget.landed(1 << 20)  # the same total again: nothing new
+    assert budget.allows(0.25) == QUESTIONS_PER_MIB
+    budget.landed(100 << 20)
+    assert budget.allows(100.0) == QUESTION_BURST  # never more than a burst
+
+
+def test_paced_questions_go_to_the_peers_whose_turn_came_first_and_the_source_is_not_counted() -> None:
+    peers = Peers(OWN, [(f"tcp://p{n}:1", bytes([n + 10]) * 16) for n in range(4)])
+    peers.learn()
+    reachable = {SOURCE, 1, 2, 3, 4}
+    for peer, at in ((1, 0.5), (2, 0.5), (3, 0.0), (4, 0.2)):  # 3's turn comes first, then 4's
+        peers.asking(peer, 100 + peer, at)
+        peers.answered(100 + peer)
+    now = 1.0
+    peers.budget.spend(peers.budget.allows(now) - 2)  # two questions left
+    assert peers.due(now, reachable, paced=True) == [3, 4, SOURCE]
+    for n, peer in enumerate((3, 4)):
+        peers.asking(peer, 300 + n, now)
+    assert peers.due(now, reachable, paced=True) == [SOURCE]  # none left: 1 and 2 wait for the floor
+    assert peers.next_due(reachable - {SOURCE}, paced=True) == now + 1 / QUESTION_FLOOR
+    assert peers.due(now, reachable - {SOURCE}) == [1, 2]  # unpaced: the clock alone

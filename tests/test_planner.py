@@ -20,6 +20,7 @@ from zmqtransport.errors import ConnectionLostError, ProtocolError, RemoteError,
 from zmqtransport.fetch.backoff import BUSY_FIRST
 from zmqtransport.fetch.claims import CLAIM_FLOOR, DROP_AFTER
 from zmqtransport.fetch.liveness import CONNECT_BOUND, RECONNECT_GRACE
+from zmqtransport.fetch.peers import HAVE_EVERY, QUESTION_BURST, QUESTION_FLOOR, QUESTION_PIPELINE
 from zmqtransport.fetch.planner import (
     CLAIM_MESSAGES,
     KEEPALIVE_EVERY,
@@ -888,3 +889,31 @@ def test_a_member_of_a_large_swarm_keeps_one_span_ahead_at_the_source() -> None:
         net.serve(source, span)
     net.tick(0.2)
     assert len(net.spans(source)) == 1
+
+
+def _questions_to_peers(full: bool, seconds: float = 0.4) -> int:
+    """Have questions a member sends its 8 peers over ``seconds``: each holds one message, asked of it
+    at once (then it is idle: asked every HAVE_EVERY) and not yet served (``full``: with what the source
+    is asked, at least QUESTION_PIPELINE messages in hand), or none (``full`` False: nothing in hand)."""
+    members = [(f"tcp://peer{n}:1", bytes([n + 1]) * 16) for n in range(8)]
+    net = planner(messages=64, span=4, swarm=Swarm(None, members))
+    net.carry_out(net.plan.start())
+    net.add()
+    peers = [net.add(n + 1, token) for n, (_, token) in enumerate(members)]
+    for step in range(round(seconds * 100) + 1):
+        net.tick(step * 0.01)
+        for n, index in enumerate(peers):
+            have(net, index, 1 << (32 + n) if full else 0)
+        if not full:  # the source serves at once: nothing stays in hand
+            for span in net.spans(0):
+                net.serve(0, span)
+    assert (net.plan.book.asked().bit_count() >= QUESTION_PIPELINE) == full
+    return sum(len(net.requests(index, wire.OP_HAVE)) for index in peers)
+
+
+def test_a_member_with_work_in_hand_asks_its_peers_as_its_progress_pays_for_not_on_the_clock() -> None:
+    """A member short of CPU lands less a second and, on the clock, asked as much: its questions took a
+    growing share of the CPU it lacked (fetch/peers.py, QUESTION_PIPELINE). With work in hand, nothing
+    landing, it asks its idle peers at the floor rate (plus its saved burst); with none, on the clock."""
+    assert _questions_to_peers(full=False) >= 8 * 0.4 / HAVE_EVERY  # 64: every peer every 50 ms
+    assert _questions_to_peers(full=True) <= QUESTION_BURST + QUESTION_FLOOR * 0.4 + 8  # 24 (its first 8 free)

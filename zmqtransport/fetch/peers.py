@@ -59,6 +59,25 @@ HAVE_PEERS = 16
 MAX_PEERS = 32
 # Seconds between two questions to the source about the swarm's members.
 MEMBERS_EVERY = 0.05
+# While a receive has this many messages asked and not landed, it has work in
+# hand, and its questions to peers are paced by its own progress rather than
+# by the clock alone (:class:`QuestionBudget`): QUESTIONS_PER_MIB for each MiB
+# that lands, QUESTION_FLOOR a second besides, at most QUESTION_BURST saved
+# up. A question and its answer cost both sides' Python some 50-100 us; on a
+# clock-driven schedule, a member short of CPU (a few dozen processes on two
+# cores) lands less per second and asks as much, so its questions take a
+# growing share of the CPU it lacks. With progress as the measure, a member
+# that lands 6 MiB a second asks about 45 questions a second, not 160. Where
+# the CPU keeps up, the budget hardly binds: 256 MiB at 400 Mbit/s lands
+# 45-50 MiB a second, 180-200 questions' worth, above the clock's 160 past 16
+# peers. A receive with fewer messages in hand (its start, its tail, a peer
+# lost) asks on the clock alone: that is when it needs to find its next
+# messages (docs/fast-links.md, "Questions paced by progress").
+QUESTION_PIPELINE = 4
+QUESTIONS_PER_MIB = 4.0
+QUESTION_FLOOR = 20.0
+QUESTION_BURST = 8.0
+_MIB = 1 << 20
 # Where a member starts its walk through the plan, as a fraction of the plan
 # per member that joined before it (the golden ratio's: successive members
 # start far apart, whatever their number).
@@ -72,6 +91,42 @@ class NewPeer:
     peer: int
     at: str
     token: bytes
+
+
+class QuestionBudget:
+    """How many questions to peers a receive whose pipeline is full may send (see
+    :data:`QUESTION_PIPELINE`): :data:`QUESTIONS_PER_MIB` for each MiB that lands, :data:`QUESTION_FLOOR`
+    a second besides, at most :data:`QUESTION_BURST` saved up. Pure: time is passed in."""
+
+    def __init__(
+        self, per_mib: float = QUESTIONS_PER_MIB, floor: float = QUESTION_FLOOR, burst: float = QUESTION_BURST
+    ) -> None:
+        self.per_mib, self.floor, self.burst = per_mib, floor, burst
+        self.questions = burst  # what may be asked now (a fraction saved towards the next)
+        self._landed = 0
+        self._at: float | None = None  # when the floor last added to it
+
+    def landed(self, nbytes: int) -> None:
+        """The receive has landed ``nbytes`` in all so far."""
+        grown, self._landed = max(0, nbytes - self._landed), max(nbytes, self._landed)
+        self.questions = min(self.burst, self.questions + self.per_mib * grown / _MIB)
+
+    def allows(self, now: float) -> int:
+        """How many questions may go out at ``now``."""
+        if self._at is not None:
+            self.questions = min(self.burst, self.questions + max(0.0, now - self._at) * self.floor)
+        self._at = now
+        return int(self.questions + 1e-9)
+
+    def spend(self, count: int) -> None:
+        self.questions -= count
+
+    def ready_at(self) -> float:
+        """When the floor alone allows the next question (-inf: one may go out now), as of the last
+        :meth:`allows`."""
+        if self._at is None or self.questions + 1e-9 >= 1:
+            return -math.inf
+        return self._at + (1 - self.questions) / self.floor
 
 
 def start_offset(members_before: int, messages: int) -> int:
@@ -105,6 +160,7 @@ class Peers:
         # Which members past MAX_PEERS: random, but the same for the same token (the model's runs repeat).
         self._pick = random.Random(own_token if own_token is not None else 0)  # noqa: S311 (not a secret)
         self.source_from = -math.inf  # the source is asked nothing before (it said ``busy``: fetch/backoff.py)
+        self.budget = QuestionBudget()  # what a receive with work in hand may ask (``paced``)
 
     def learn(self, members: Sequence[wire.Peer] = ()) -> list[NewPeer]:
         """Members the source named (and those of the relay order, the first time): the ones that are new,
@@ -142,24 +198,43 @@ class Peers:
         return set(self._pick.sample(new, max(0, room)))
 
     def due(
-        self, now: float, reachable: AbstractSet[int], busy: AbstractSet[int] = frozenset(), claim: bool = False
+        self,
+        now: float,
+        reachable: AbstractSet[int],
+        busy: AbstractSet[int] = frozenset(),
+        claim: bool = False,
+        paced: bool = False,
     ) -> list[int]:
         """Who to ask now: peers (among ``reachable``) without a question outstanding whose turn it is,
         and the source (for members) when this receive has a token to show, at once if it has a ``claim``
         to make. A ``busy`` peer (this receive still has work for it) is asked only every
-        :data:`HAVE_REFRESH`."""
+        :data:`HAVE_REFRESH`. ``paced`` (this receive has work in hand): of the peers due, only as many as
+        :attr:`budget` allows, those whose turn came first; the source is not counted."""
         turns = self._turns(reachable, busy, claim)
         due = sorted(peer for peer, turn in turns.items() if peer != SOURCE and now >= turn)
+        allowed = self.budget.allows(now)
+        if paced and len(due) > allowed:
+            due = sorted(sorted(due, key=lambda peer: turns[peer])[:allowed])
+        if paced:
+            self.budget.spend(len(due))
         if SOURCE in turns and now >= turns[SOURCE]:
             due.append(SOURCE)
         return due
 
     def next_due(
-        self, reachable: AbstractSet[int], busy: AbstractSet[int] = frozenset(), claim: bool = False
+        self,
+        reachable: AbstractSet[int],
+        busy: AbstractSet[int] = frozenset(),
+        claim: bool = False,
+        paced: bool = False,
     ) -> float:
         """When the next question falls due (inf: none can); arguments as for :meth:`due`, whose choice
         it must match: a turn counted here that :meth:`due` would not take makes the caller's loop spin."""
-        return min(self._turns(reachable, busy, claim).values(), default=math.inf)
+        turns = self._turns(reachable, busy, claim)
+        members = min((turn for peer, turn in turns.items() if peer != SOURCE), default=math.inf)
+        if paced and members < math.inf:
+            members = max(members, self.budget.ready_at())
+        return min(members, turns.get(SOURCE, math.inf))
 
     def _turns(self, reachable: AbstractSet[int], busy: AbstractSet[int], claim: bool) -> dict[int, float]:
         """When each peer that may be asked is next due: among ``reachable``, not dropped, with no question

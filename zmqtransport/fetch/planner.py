@@ -41,7 +41,7 @@ from .. import wire
 from ..errors import ProtocolError
 from .backoff import Backoff
 from .liveness import CONNECT_BOUND, RECONNECT_GRACE, SETTLE_AFTER_LOSS, Wait, failure
-from .peers import NewPeer, Peers
+from .peers import QUESTION_PIPELINE, NewPeer, Peers
 from .registry import CANCELLED, FORGOTTEN, KEEPALIVE, Question, Registry
 from .replies import refusal
 from .requests import SpanTerms, digest_request, span_request
@@ -343,7 +343,7 @@ class Outgoing:
             return []
         actions: list[Action] = []
         claim = plan.book.wants_claim()
-        for peer in peers.due(now, self.reachable(), self.busy(), claim):
+        for peer in peers.due(now, self.reachable(), self.busy(), claim, self._paced()):
             live = [index for index, lane in enumerate(plan.lanes) if lane.peer == peer and not lane.gone]
             # Its questions-only connections where it has them: answers there queue behind no data.
             live = [index for index in live if plan.lanes[index].questions] or live
@@ -374,7 +374,16 @@ class Outgoing:
         plan = self.plan
         if plan.peers is None:
             return math.inf
-        return plan.peers.next_due(self.reachable(), self.busy(), plan.book.wants_claim())
+        return plan.peers.next_due(self.reachable(), self.busy(), plan.book.wants_claim(), self._paced())
+
+    def _paced(self) -> bool:
+        """Whether this receive has work in hand (:data:`.peers.QUESTION_PIPELINE` messages asked and not
+        landed), so its questions to peers are paced by its progress; the budget learns what has landed."""
+        plan = self.plan
+        assert plan.peers is not None
+        landed = plan.messages - plan.book.missing
+        plan.peers.budget.landed(landed * plan.offsets[-1] // max(1, plan.messages))
+        return plan.book.asked().bit_count() >= QUESTION_PIPELINE
 
     def reachable(self) -> set[int]:
         """The peers (the source included) with a connection in use that is not down."""
