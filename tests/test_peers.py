@@ -208,12 +208,12 @@ def test_a_question_budget_is_earned_by_what_lands_and_by_time_and_saved_up_to_a
     assert budget.allows(0.0) == QUESTION_BURST  # a receive starts with a burst saved
     budget.spend(int(QUESTION_BURST))
     assert budget.allows(0.0) == 0 and budget.ready_at() == 1 / QUESTION_FLOOR
-    assert budget.allows(0.25) == int(0.25 * QUESTION_FLOOR) == 5  # the floor
+    assert budget.allows(0.125) == int(0.125 * QUESTION_FLOOR) == 5  # the floor
     budget.spend(5)
-    budget.landed(1 << 20)  # a MiB landed
-    assert budget.allows(0.25) == QUESTIONS_PER_MIB and budget.ready_at() == -math.inf
-    budget.landed(1 << 20)  # the same total again: nothing new
-    assert budget.allows(0.25) == QUESTIONS_PER_MIB
+    budget.landed(1 << 19)  # half a MiB landed
+    assert budget.allows(0.125) == QUESTIONS_PER_MIB / 2 and budget.ready_at() == -math.inf
+    budget.landed(1 << 19)  # the same total again: nothing new
+    assert budget.allows(0.125) == QUESTIONS_PER_MIB / 2
     budget.landed(100 << 20)
     assert budget.allows(100.0) == QUESTION_BURST  # never more than a burst
 

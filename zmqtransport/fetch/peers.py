@@ -66,16 +66,18 @@ MEMBERS_EVERY = 0.05
 # up. A question and its answer cost both sides' Python some 50-100 us; on a
 # clock-driven schedule, a member short of CPU (a few dozen processes on two
 # cores) lands less per second and asks as much, so its questions take a
-# growing share of the CPU it lacks. With progress as the measure, a member
-# that lands 6 MiB a second asks about 45 questions a second, not 160. Where
-# the CPU keeps up, the budget hardly binds: 256 MiB at 400 Mbit/s lands
-# 45-50 MiB a second, 180-200 questions' worth, above the clock's 160 past 16
-# peers. A receive with fewer messages in hand (its start, its tail, a peer
-# lost) asks on the clock alone: that is when it needs to find its next
-# messages (docs/fast-links.md, "Questions paced by progress").
+# growing share of the CPU it lacks. Paced, a member that lands 6 MiB a second
+# asks about 90 questions a second, not 160. Where the CPU keeps up, the
+# budget hardly binds: 256 MiB at 400 Mbit/s lands 45-50 MiB a second, over
+# 400 questions' worth, more than the clock asks. A receive with fewer
+# messages in hand (its start, its tail, a peer lost) asks on the clock alone:
+# that is when it needs to find its next messages. 4 per MiB and 20 a second
+# cost the model's members that lie or sit behind slow links 3-10% (their
+# answers came too seldom); 8 and 40 cost no row anything (docs/fast-links.md,
+# "Questions paced by progress").
 QUESTION_PIPELINE = 4
-QUESTIONS_PER_MIB = 4.0
-QUESTION_FLOOR = 20.0
+QUESTIONS_PER_MIB = 8.0
+QUESTION_FLOOR = 40.0
 QUESTION_BURST = 8.0
 _MIB = 1 << 20
 # Where a member starts its walk through the plan, as a fraction of the plan
