@@ -214,10 +214,8 @@ class Peers:
         :attr:`budget` allows, those whose turn came first; the source is not counted."""
         turns = self._turns(reachable, busy, claim)
         due = sorted(peer for peer, turn in turns.items() if peer != SOURCE and now >= turn)
-        allowed = self.budget.allows(now)
-        if paced and len(due) > allowed:
-            due = sorted(sorted(due, key=lambda peer: turns[peer])[:allowed])
         if paced:
+            due = sorted(sorted(due, key=turns.__getitem__)[: self.budget.allows(now)])
             self.budget.spend(len(due))
         if SOURCE in turns and now >= turns[SOURCE]:
             due.append(SOURCE)

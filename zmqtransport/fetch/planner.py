@@ -381,8 +381,7 @@ class Outgoing:
         landed), so its questions to peers are paced by its progress; the budget learns what has landed."""
         plan = self.plan
         assert plan.peers is not None
-        landed = plan.messages - plan.book.missing
-        plan.peers.budget.landed(landed * plan.offsets[-1] // max(1, plan.messages))
+        plan.peers.budget.landed(sum(lane.bytes for lane in plan.lanes))
         return plan.book.asked().bit_count() >= QUESTION_PIPELINE
 
     def reachable(self) -> set[int]:
