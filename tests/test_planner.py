@@ -657,6 +657,40 @@ def test_a_peer_whose_holdings_grow_keeps_its_claims() -> None:
     assert peer not in net.closed
 
 
+def test_a_peers_span_end_says_what_it_holds_and_takes_the_place_of_a_question() -> None:
+    # A relay ends each span with what it holds (wire.end_reply): its downstream asks it for more at
+    # once, not after its next have question, and that question comes an interval after the end.
+    net = planner(messages=16, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
+    net.carry_out(net.plan.start())
+    net.add()  # the source
+    peer = net.add(1, PEER_TOKEN)
+    net.tick()
+    have(net, peer, 0x0F)  # it holds 0..3
+    net.tick(0.001)
+    [span] = net.spans(peer)
+    assert span.stop <= 4  # of what it holds (the source serves 0 and 1)
+    net.serve(peer, span, end=False)
+    digests_of(net)
+    net.answer(peer, wire.end_reply(span.xfer, (0xFFFF, 0, 16)))  # it has landed everything since
+    questions = len(net.requests(peer, wire.OP_HAVE))
+    net.tick(0.002)
+    [after] = net.spans(peer)
+    assert after.first >= 4  # asked for what it said it holds, with no question between
+    net.tick(0.001 + HAVE_EVERY / 2)
+    assert len(net.requests(peer, wire.OP_HAVE)) == questions  # the end was its answer
+
+
+def test_a_peer_whose_span_end_claims_beyond_the_plan_is_dropped() -> None:
+    net = with_a_peer()
+    peer = 1
+    [span] = net.spans(peer)
+    net.serve(peer, span, end=False)
+    net.answer(peer, wire.end_reply(span.xfer, ((1 << 20) - 1, 0, 20)))
+    assert net.failed == [] and peer in net.closed
+    assert net.plan.peers is not None and net.plan.peers.dropped(peer)
+    finish_from_source(net)
+
+
 def _a_question_to(net: Net, index: int) -> int:
     """The transfer id of a question out to stream ``index``'s peer (time passes until there is one)."""
     for _ in range(100):

@@ -72,7 +72,8 @@ class Net:
             elif isinstance(action, Abort):
                 self.deliver(action.transfer.peer, ("error", action.transfer.xfer, action.code))
             elif isinstance(action, Finish) and action.transfer.key not in undelivered:
-                self.deliver(action.transfer.peer, ("end", action.transfer.xfer, None))
+                end = wire.decode_reply(action.envelope(), False, "the server")  # a relay's: what it holds
+                self.deliver(action.transfer.peer, ("end", action.transfer.xfer, end.have))
                 self.finished.append((action.transfer.peer, action.transfer.xfer, action.seconds))
 
     def request(self, peer: bytes, request: wire.Request) -> None:
@@ -775,6 +776,23 @@ def test_relayed_messages_go_out_only_once_landed_and_stop_ends_them(net: Net) -
     net.request(b"late", fetch(xfer=4, credit=2, span=(2, 4), stage=relay.stage_id, token=relay.token))
     assert net.ops(b"late") == [("error", wire.ERR_NOT_RELAYING)]
     assert net.scheduler.relaying.waiting == []
+
+
+def test_a_relay_ends_each_span_with_what_it_holds_and_is_fetching(net: Net) -> None:
+    # Its downstream, which will ask it for more, learns that without a have question (wire.end_reply).
+    relay = relayed()
+    net.execute(net.scheduler.relay(relay, net.now))
+    relay.landed_one(0, None)
+    relay.landed_one(1, None)
+    relay.landed_one(4, None)
+    relay.coming = 0b100000
+    net.request(b"down", fetch(xfer=3, credit=2, span=(0, 2), stage=relay.stage_id, token=relay.token))
+    net.pump()
+    assert net.data(b"down") == [0, 1] and net.ops(b"down") == [("end", 0b10011)]
+    [(_, xfer, _)] = [m for m in net.inbox[b"down"] if m[0] == "end"]
+    end = wire.decode_reply(wire.end_reply(xfer, (relay.have, relay.coming, relay.messages)), False, "a relay")
+    assert (end.have, end.coming) == (0b10011, 0b100000)
+    assert wire.decode_reply(wire.end_reply(xfer), False, "the source").have is None  # the source's says nothing
 
 
 def test_span_fetch_to_a_relay_needs_its_token_stage_and_step(net: Net) -> None:

@@ -337,8 +337,18 @@ def digests_reply(xfer: int, first: int, blob: bytes) -> bytes:
     return pack({"v": PROTOCOL_VERSION, "op": OP_DIGESTS, "id": xfer, "first": first, "dg": blob})
 
 
-def end_reply(xfer: int) -> bytes:
-    return pack({"v": PROTOCOL_VERSION, "op": OP_END, "id": xfer})
+def end_reply(xfer: int, holdings: tuple[int, int, int] | None = None) -> bytes:
+    """The end of a transfer. A relay ends a span with its ``holdings``, ``(bits, coming, messages)``: what
+    it holds and is fetching, as a ``have`` reply says them, so that its downstream, which will ask it
+    for more, learns them without a question (docs/protocol.md, "Swarm")."""
+    message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_END, "id": xfer}
+    if holdings is not None:
+        bits, coming, messages = holdings
+        size = (messages + 7) // 8
+        message["bits"] = bits.to_bytes(size, "little")
+        if coming:
+            message["coming"] = coming.to_bytes(size, "little")
+    return pack(message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,8 +375,8 @@ class Reply:
     text: str = ""
     digest: str | None = None
     dg: bytes | None = None
-    have: int | None = None  # a have reply's bit set (None: holds everything)
-    coming: int = 0  # a have reply's messages being fetched
+    have: int | None = None  # a have reply's bit set (None: holds everything); a relay's end's (None: not said)
+    coming: int = 0  # a have reply's (or a relay's end's) messages being fetched
     peers: tuple[Peer, ...] = ()  # a have reply's swarm members, from the source
     claimed: tuple[int, ...] | None = None  # the messages the source reserved: (first, stop), () none left
 
@@ -407,18 +417,23 @@ def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
     if op == OP_ERROR:
         return Reply(op, xfer, more, code=str(message.get("code", "unknown")), text=str(message.get("msg", "")))
     if op == OP_END:
-        return Reply(op, xfer, more)
+        have, fetching = _holdings(message, who)
+        return Reply(op, xfer, more, have=have, coming=fetching)
     if op == OP_HAVE:
-        bits, coming = message.get("bits"), message.get("coming", b"")
-        if (bits is not None and not isinstance(bits, bytes)) or not isinstance(coming, bytes):
-            raise ProtocolError(f"a have reply's 'bits' and 'coming' must be bytes, from {who}")
-        have = None if bits is None else int.from_bytes(bits, "little")
-        fetching = int.from_bytes(coming, "little")
+        have, fetching = _holdings(message, who)
         claimed = _claimed(message.get("claimed"), who)
         return Reply(
             op, xfer, more, have=have, coming=fetching, peers=decode_peers(message.get("peers")), claimed=claimed
         )
     raise ProtocolError(f"unknown reply op {op!r} from {who}")
+
+
+def _holdings(message: dict[str, Any], who: str) -> tuple[int | None, int]:
+    """A ``have`` or ``end`` reply's optional ``bits`` and ``coming``, as bit sets (``bits`` absent: None)."""
+    bits, coming = message.get("bits"), message.get("coming", b"")
+    if (bits is not None and not isinstance(bits, bytes)) or not isinstance(coming, bytes):
+        raise ProtocolError(f"a {message.get('op')} reply's 'bits' and 'coming' must be bytes, from {who}")
+    return None if bits is None else int.from_bytes(bits, "little"), int.from_bytes(coming, "little")
 
 
 def _claimed(value: Any, who: str) -> tuple[int, ...] | None:

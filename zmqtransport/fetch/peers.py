@@ -270,6 +270,12 @@ class Peers:
         self._next_ask[peer] = now + (MEMBERS_EVERY if peer == SOURCE else self._every() * self.spread())
         return question
 
+    def heard(self, peer: int, now: float) -> None:
+        """``peer`` said what it holds unasked (a span's end): its next question comes an interval from
+        ``now``, as if asked now (one already outstanding is answered as usual)."""
+        if peer in self.tokens:
+            self._next_ask[peer] = max(self._next_ask.get(peer, -math.inf), now + self._every() * self.spread())
+
     def _every(self) -> float:
         """How often an idle peer is asked, over :meth:`spread`: :data:`HAVE_EVERY` up to 16 peers; past
         that, :data:`HAVE_REFRESH`, as often as a busy one, so a member's questions a second stay what 16

@@ -409,14 +409,33 @@ class Outgoing:
             if plan.digests is not None:  # peers only while their bytes can be checked
                 return [*(Connect(new) for new in peers.learn(reply.peers)), Wake(now)]
         elif not peers.dropped(peer):
-            have = reply.have or 0  # a peer that says "everything" (no bits) is believed to hold nothing
-            if (have | reply.coming) >> plan.messages or reply.peers or reply.claimed is not None:
-                raise ProtocolError(f"{who}: a have reply that does not fit the plan, or speaks for the source")
-            if not plan.book.holds(peer, have, reply.coming, now):
+            if reply.peers or reply.claimed is not None:
+                raise ProtocolError(f"{who}: a have reply that speaks for the source")
+            if not self._holds(peer, reply, who, now):
                 # Most answers in a swarm of dozens: a pass now would find nothing due that the last
                 # one's wake time does not already name, but for this peer's next question.
                 return [Wake(max(now, peers.turn_of(peer, plan.book.has_work_for(peer))))]
         return [Wake(now)]
+
+    def heard(self, lane: Lane, reply: wire.Reply, who: str, now: float) -> None:
+        """A reply came on ``lane``: the source's is a sign of life; a peer's span end may say what it holds
+        and is fetching (``ProtocolError``: that does not fit the plan), taken as the answer to a question,
+        so its next question comes an interval from now."""
+        plan, peers = self.plan, self.plan.peers
+        if lane.token is None:
+            plan.source_heard = now
+        elif reply.op == wire.OP_END and reply.have is not None and peers is not None and not peers.dropped(lane.peer):
+            self._holds(lane.peer, reply, who, now)
+            peers.heard(lane.peer, now)
+
+    def _holds(self, peer: int, reply: wire.Reply, who: str, now: float) -> bool:
+        """``peer`` said, in ``reply``, what it holds and is fetching: into the book (whether that changed
+        what it is believed to hold or fetch)."""
+        plan = self.plan
+        have = reply.have or 0  # a peer that says "everything" (no bits) is believed to hold nothing
+        if (have | reply.coming) >> plan.messages:
+            raise ProtocolError(f"{who}: a {reply.op} reply whose holdings do not fit the plan")
+        return plan.book.holds(peer, have, reply.coming, now)
 
     def source_answered(self, question: Question, claimed: tuple[int, ...] | None) -> None:
         """The source answered ``question`` (or it was given up on); if it claimed, with what the source
@@ -780,8 +799,7 @@ class ReceivePlanner:
 
     def _on_reply(self, stream: int, reply: wire.Reply, who: str, now: float) -> list[Action]:
         op = reply.op
-        if self.lanes[stream].token is None:
-            self.source_heard = now
+        self.out.heard(self.lanes[stream], reply, who, now)
         if op == wire.OP_DATA and reply.more:
             return self._on_data(stream, reply, who, now)
         if op == wire.OP_END and not reply.more:

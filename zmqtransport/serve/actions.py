@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import wire
+from ..relayed import Relayed
 from .transfers import Key, Parked, Transfer
 
 
@@ -74,5 +75,13 @@ class Finish:
     transfer: Transfer
     seconds: float
 
+    def envelope(self) -> bytes:
+        """The ``end``: a relay's says what it holds and is fetching as the span ends (its downstream will
+        ask it for more; read as it goes out: the receiving thread only adds bits, so a stale read says
+        less than is true, never more)."""
+        staged = self.transfer.staged
+        if isinstance(staged, Relayed):
+            return wire.end_reply(self.transfer.xfer, (staged.have, staged.coming, staged.messages))
+        return wire.end_reply(self.transfer.xfer)
 
 Action = Refuse | Abort | SendHeader | Finish | Have

@@ -94,13 +94,14 @@ class Outbox:
                     self._router.send(transfer.peer, [wire.error_reply(transfer.xfer, code, message)])
                 case Have(peer, xfer, bits, messages, peers, coming, claimed):
                     self._router.send(peer, [wire.have_reply(xfer, bits, messages, peers, coming, claimed)])
-                case Finish(transfer, seconds):
+                case Finish(transfer):
                     if transfer.key not in undelivered:
-                        self._finish(transfer, seconds)
+                        self._finish(action)
 
-    def _finish(self, transfer: Transfer, seconds: float) -> None:
-        self._router.send(transfer.peer, [wire.end_reply(transfer.xfer)])
-        self._sent.record(_served(transfer, seconds))
+    def _finish(self, finish: Finish) -> None:
+        transfer = finish.transfer
+        self._router.send(transfer.peer, [finish.envelope()])
+        self._sent.record(_served(transfer, finish.seconds))
 
 
 def _served(transfer: Transfer, seconds: float) -> TransferStats:

@@ -226,7 +226,7 @@ class Server:
             elif isinstance(action, Finish):
                 conn = self.conns.get(action.transfer.peer)
                 if conn is not None:
-                    self.reply(conn, wire.end_reply(action.transfer.xfer), 0)
+                    self.reply(conn, action.envelope(), 0)
 
     def _answer_digests(self) -> None:
         """What serve.digests.DigestWork does: hash each message once, answer each digest request."""
