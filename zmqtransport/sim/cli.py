@@ -26,10 +26,10 @@ PACK_BELOW = 64 * 1024  # transport.DEFAULT_PACK_BELOW
 HEADER_BYTES = 4096  # a header of that many tensors, about
 
 
-def staged_state(mib: float) -> Staged:
+def staged_state(mib: float, receivers: int = 1) -> Staged:
     total = int(mib * model.MIB)
     storages = [TENSOR_BYTES] * (total // TENSOR_BYTES) + ([total % TENSOR_BYTES] if total % TENSOR_BYTES else [])
-    chunk = wire.frame_bytes(total, PACK_BELOW)
+    chunk = wire.frame_bytes(total, PACK_BELOW, receivers)  # as send_checkpoint stages it for dst_ranks
     plan = wire.plan_chunks(storages, chunk, PACK_BELOW)
     return Staged(STEP_0, bytes(HEADER_BYTES), EncodedTree(skeleton=None), plan, None)
 
@@ -85,7 +85,7 @@ def simulate(
     def cores_for() -> model.Cores:
         return pool if pool is not None else model.Cores(cores)
 
-    staged = staged_state(mib)
+    staged = staged_state(mib, receivers)
     state_bytes = wire.plan_bytes(staged.plan)
     source_host = host("10.0.0.1", rate_mbit, latency, cores_for(), tbf)
     limits = Limits() if source_transfers is None else Limits(transfers=source_transfers)
