@@ -39,12 +39,11 @@ def test_a_small_state_gets_smaller_frames(total: int, pack_below: int, frame: i
         (256 * MiB, 16, MiB),  # 16 frames of 1 MiB are a sixteenth of the state
         (256 * MiB, 17, 512 * KiB),
         (256 * MiB, 64, 256 * KiB),  # a job start of 65 replica groups
-        (256 * MiB, 255, 64 * KiB),
-        (256 * MiB, 4096, 64 * KiB),  # never below SWARM_FRAME
+        (256 * MiB, 255, 256 * KiB),  # never below SMALL_STATE_FRAME: each message costs CPU
         (64 * MiB, 11, 256 * KiB),  # the lab's swarms: as before
-        (64 * MiB, 23, 128 * KiB),
+        (16 * MiB, 31, 256 * KiB),
         (GiB, 64, MiB),
-        (MiB, 1, 256 * KiB),  # one receiver never gets the swarm's frames
+        (GiB, 65, 512 * KiB),
     ],
 )
 def test_a_source_expecting_many_receivers_cuts_smaller_frames(total: int, receivers: int, frame: int) -> None:
@@ -95,6 +94,7 @@ def test_send_checkpoint_stages_for_as_many_receivers_as_dst_ranks_names(monkeyp
     finally:
         sender.shutdown()
     assert seen == [64, 1]
-    state = {"w": torch.zeros(64 * MiB // 4)}
-    assert staged_frames(state, None, receivers=64) == (1024, 64 * KiB)
-    assert staged_frames(state, MiB, receivers=64) == (64, MiB)  # an explicit chunk_bytes is kept
+    state = {"w": torch.empty(128 * MiB // 4)}
+    assert staged_frames(state, None) == (256, 512 * KiB)
+    assert staged_frames(state, None, receivers=64) == (512, 256 * KiB)
+    assert staged_frames(state, MiB, receivers=64) == (128, MiB)  # an explicit chunk_bytes is kept

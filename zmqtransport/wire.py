@@ -668,13 +668,14 @@ SMALL_STATE_MESSAGES = 256
 # A source that expects many receivers (torchft's job start: every replica group
 # but one heals from the primary, send_checkpoint's dst_ranks) halves the frame
 # further while receivers x frame exceeds the state over SWARM_START_SHARE, down
-# to SWARM_FRAME: the start above, members x frame, stays a sixteenth of the
-# state. The model, 256 MiB at 400 Mbit/s, 64 receivers: 1.38x the ideal and
-# 1.24 states uploaded in 1 MiB frames, 1.19x and 1.09 in 256 KiB ones
-# (docs/sim.md, "The frame at job scale"). Up to 16 receivers of 256 MiB, and
-# 11 of the lab's 64 MiB, nothing changes.
+# to SMALL_STATE_FRAME: the start above, members x frame, stays near a sixteenth
+# of the state. The model, 256 MiB at 400 Mbit/s, 64 receivers: 1.38x the ideal
+# and 1.24 states uploaded in 1 MiB frames, 1.19x and 1.09 in 256 KiB ones
+# (docs/sim.md, "The frame at job scale"). Not below 256 KiB: the model of the
+# lab's 23 receivers of 16 MiB on two shared cores took 1.9 s in 256 KiB frames
+# and 5.3 s in 64 KiB ones (four times the messages, each with its CPU). Up to
+# 16 receivers of 256 MiB, and every state under 64 MiB, nothing changes.
 SWARM_START_SHARE = 16
-SWARM_FRAME = 64 * 1024
 
 
 def frame_bytes(total: int, pack_below: int, receivers: int = 1) -> int:
@@ -683,16 +684,13 @@ def frame_bytes(total: int, pack_below: int, receivers: int = 1) -> int:
 
     :data:`LARGE_STATE_FRAME`, halved while the state would be fewer than
     :data:`SMALL_STATE_MESSAGES` messages, never below :data:`SMALL_STATE_FRAME`;
-    then, for more than one receiver, halved while ``receivers`` frames exceed
-    the state over :data:`SWARM_START_SHARE`, never below :data:`SWARM_FRAME`; never below
+    and halved while ``receivers`` frames exceed the state over
+    :data:`SWARM_START_SHARE`; never below :data:`SMALL_STATE_FRAME` nor
     ``pack_below`` (packed storages must fit a frame).
     """
     size = LARGE_STATE_FRAME
     floor = max(SMALL_STATE_FRAME, pack_below)
-    while size // 2 >= floor and total < SMALL_STATE_MESSAGES * size:
-        size //= 2
-    floor = max(SWARM_FRAME, pack_below)
-    while receivers > 1 and size // 2 >= floor and receivers * size * SWARM_START_SHARE > total:
+    while size // 2 >= floor and (total < SMALL_STATE_MESSAGES * size or receivers * size * SWARM_START_SHARE > total):
         size //= 2
     return size
 
