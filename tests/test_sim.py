@@ -156,3 +156,11 @@ def test_plot_without_matplotlib_says_what_to_install(
     assert cli.main(["--plot", str(tmp_path / "x.png")], plot=sweep.plot_command) == 2
     assert "zmqtransport[plot]" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_sources_chunk_bytes_option_cuts_the_state_as_the_transport_would() -> None:
+    # 64 MiB by default: 256 KiB frames (wire.frame_bytes); 1 MiB when the source sets chunk_bytes so.
+    default = cli.simulate(3, mib=64)
+    large = cli.simulate(3, mib=64, chunk_bytes=1 << 20)
+    assert default["messages"] == 256 and large["messages"] == 64
+    assert large["completed"] == 3 and large["failed"] == 0

@@ -368,9 +368,6 @@ class ZMQTransport(CheckpointTransport[T]):
         :meth:`disallow_checkpoint` returns. Raises ``TypeError`` naming the key
         path of any leaf that cannot be sent. ``timeout`` bounds nothing here
         (staging does not wait on a peer); ``None`` is accepted, as on receive.
-        ``dst_ranks`` says how many receivers to expect: with dozens (torchft's
-        job start), the step is cut into smaller frames unless ``chunk_bytes``
-        was set (:func:`zmqtransport.wire.frame_bytes`).
         """
         self._check_open()
         with paused_gc():  # many tensors, no cycles: see gcpause
@@ -382,7 +379,6 @@ class ZMQTransport(CheckpointTransport[T]):
                 pack_below=self._pack_below,
                 checksum=self._checksum,
                 staging=self._staging,
-                receivers=max(1, len(dst_ranks)),
             )
         self._server.stage(staged)
 

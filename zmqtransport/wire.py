@@ -665,32 +665,18 @@ def plan_chunks(storages: list[int], chunk_bytes: int, pack_below: int) -> list[
 LARGE_STATE_FRAME = 1024 * 1024
 SMALL_STATE_FRAME = 256 * 1024
 SMALL_STATE_MESSAGES = 256
-# A source that expects many receivers (torchft's job start: every replica group
-# but one heals from the primary, send_checkpoint's dst_ranks) halves the frame
-# further while receivers x frame exceeds the state over SWARM_START_SHARE, down
-# to SMALL_STATE_FRAME: the start above, members x frame, stays near a sixteenth
-# of the state. The model, 256 MiB at 400 Mbit/s, 64 receivers: 1.38x the ideal
-# and 1.24 states uploaded in 1 MiB frames, 1.19x and 1.09 in 256 KiB ones
-# (docs/sim.md, "The frame at job scale"). Not below 256 KiB: the model of the
-# lab's 23 receivers of 16 MiB on two shared cores took 1.9 s in 256 KiB frames
-# and 5.3 s in 64 KiB ones (four times the messages, each with its CPU). Up to
-# 16 receivers of 256 MiB, and every state under 64 MiB, nothing changes.
-SWARM_START_SHARE = 16
 
 
-def frame_bytes(total: int, pack_below: int, receivers: int = 1) -> int:
-    """The frame size (the header's ``chunk_bytes``) for a state of ``total`` bytes when the sender set none,
-    for ``receivers`` receivers expected at once.
+def frame_bytes(total: int, pack_below: int) -> int:
+    """The frame size (the header's ``chunk_bytes``) for a state of ``total`` bytes when the sender set none.
 
     :data:`LARGE_STATE_FRAME`, halved while the state would be fewer than
-    :data:`SMALL_STATE_MESSAGES` messages, never below :data:`SMALL_STATE_FRAME`;
-    and halved while ``receivers`` frames exceed the state over
-    :data:`SWARM_START_SHARE`; never below :data:`SMALL_STATE_FRAME` nor
-    ``pack_below`` (packed storages must fit a frame).
+    :data:`SMALL_STATE_MESSAGES` messages, never below :data:`SMALL_STATE_FRAME`
+    nor ``pack_below`` (packed storages must fit a frame).
     """
-    size = LARGE_STATE_FRAME
     floor = max(SMALL_STATE_FRAME, pack_below)
-    while size // 2 >= floor and (total < SMALL_STATE_MESSAGES * size or receivers * size * SWARM_START_SHARE > total):
+    size = LARGE_STATE_FRAME
+    while size // 2 >= floor and total < SMALL_STATE_MESSAGES * size:
         size //= 2
     return size
 

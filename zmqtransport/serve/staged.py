@@ -67,15 +67,13 @@ def stage(
     pack_below: int,
     checksum: str | None,
     staging: DeviceStaging,
-    receivers: int = 1,
 ) -> Staged:
     """Encode ``state`` as ``step``: the header, the chunk plan and the memory to send.
 
     Pure preparation in the caller's thread (no socket, no copy of host tensors):
     raises ``TypeError`` naming the key path of a leaf that cannot be sent, and
     ``ValueError`` for a state receivers would refuse. ``chunk_bytes`` ``None``:
-    the frame size follows the state's size and the ``receivers`` expected
-    (:func:`zmqtransport.wire.frame_bytes`).
+    the frame size follows the state's size (:func:`zmqtransport.wire.frame_bytes`).
     """
     if type(step) is not int or not 0 <= step <= wire.MAX_STEP:
         raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
@@ -85,7 +83,7 @@ def stage(
         raise ValueError(f"the state holds {len(encoded.tensors)} tensors; receivers accept at most {wire.MAX_TENSORS}")
     storages = [ref.nbytes for ref in encoded.storages]
     if chunk_bytes is None:
-        chunk_bytes = wire.frame_bytes(sum(storages), pack_below, receivers)
+        chunk_bytes = wire.frame_bytes(sum(storages), pack_below)
     header = wire.Header(
         step=step,
         skeleton=encoded.skeleton,

@@ -26,10 +26,12 @@ PACK_BELOW = 64 * 1024  # transport.DEFAULT_PACK_BELOW
 HEADER_BYTES = 4096  # a header of that many tensors, about
 
 
-def staged_state(mib: float, receivers: int = 1) -> Staged:
+def staged_state(mib: float, chunk_bytes: int | None = None) -> Staged:
+    """The benchmark's state of ``mib`` MiB, cut as the source cuts it (``chunk_bytes``: the transport's option;
+    None: :func:`wire.frame_bytes`)."""
     total = int(mib * model.MIB)
     storages = [TENSOR_BYTES] * (total // TENSOR_BYTES) + ([total % TENSOR_BYTES] if total % TENSOR_BYTES else [])
-    chunk = wire.frame_bytes(total, PACK_BELOW, receivers)  # as send_checkpoint stages it for dst_ranks
+    chunk = wire.frame_bytes(total, PACK_BELOW) if chunk_bytes is None else chunk_bytes
     plan = wire.plan_chunks(storages, chunk, PACK_BELOW)
     return Staged(STEP_0, bytes(HEADER_BYTES), EncodedTree(skeleton=None), plan, None)
 
@@ -64,6 +66,7 @@ def simulate(
     kill_at: float = 0.4,
     lead: dict[int, float] | None = None,
     tbf: bool = False,
+    chunk_bytes: int | None = None,
 ) -> dict[str, Any]:
     """One job start: a source and ``receivers`` receivers starting together. Returns the figures.
 
@@ -76,6 +79,7 @@ def simulate(
     messages); ``lead``: receiver -> seconds it asks before the others (the benchmark's ``lead_s``). Each
     row's ``own_seconds`` is its time from its own start, as the lab's receivers time themselves. ``tbf``:
     every link is one of the lab's tbf-shaped veths, which cost the kernel CPU per byte (sim/model.py).
+    ``chunk_bytes``: the source's option of that name (None: unset, the frame follows the state's size).
     """
     rng = random.Random(seed)  # noqa: S311 (a model's draws, reproducible by seed; nothing secret)
     loop, started, cpu_started = Loop(), time.monotonic(), time.process_time()
@@ -85,7 +89,7 @@ def simulate(
     def cores_for() -> model.Cores:
         return pool if pool is not None else model.Cores(cores)
 
-    staged = staged_state(mib, receivers)
+    staged = staged_state(mib, chunk_bytes)
     state_bytes = wire.plan_bytes(staged.plan)
     source_host = host("10.0.0.1", rate_mbit, latency, cores_for(), tbf)
     limits = Limits() if source_transfers is None else Limits(transfers=source_transfers)
@@ -198,6 +202,8 @@ def main(argv: Sequence[str] | None = None, plot: PlotCommand | None = None) -> 
                         help="the source's limit on data transfers at once (default: Limits' own)")
     parser.add_argument("--tbf", action="store_true",
                         help="links are the lab's tbf-shaped veths, whose kernel costs CPU per byte (sim/model.py)")
+    parser.add_argument("--chunk-kib", type=int, default=None,
+                        help="the source's chunk_bytes option, in KiB (default: unset, wire.frame_bytes decides)")
     parser.add_argument("--json", action="store_true", help="the per-receiver rows too, before the summary")
     parser.add_argument("--verbose", action="store_true", help="the planners' log (peers dropped and why)")
     parser.add_argument("--plot", type=Path, metavar="PATH",
@@ -218,7 +224,8 @@ def main(argv: Sequence[str] | None = None, plot: PlotCommand | None = None) -> 
         parser.error("--receivers must be given, at least 1")
     result = simulate(args.receivers, args.mib, args.rate_mbit, args.mixed, args.kill, args.liars, args.seed,
                       args.latency_ms / 1000, args.cores, args.shared_cores, not args.no_relay,
-                      args.source_transfers, tbf=args.tbf)
+                      args.source_transfers, tbf=args.tbf,
+                      chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024)
     rows = result.pop("per_receiver")
     if args.json:
         for row in rows:
