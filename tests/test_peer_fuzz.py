@@ -80,6 +80,10 @@ SPAN_FAULTS: dict[str, Answer] = {
         b"x" * c,
     ],
     "end before its data": lambda r, m, c: [wire.end_reply(r.xfer)],
+    "an end whose holdings go beyond the plan": lambda r, m, c: [wire.end_reply(r.xfer, (everything(m + 9), 0, m + 9))],
+    "an end whose holdings are of the wrong type": lambda r, m, c: [
+        wire.pack({"v": V, "op": "end", "id": r.xfer, "bits": 12345})
+    ],
     "digests from a peer": lambda r, m, c: [wire.digests_reply(r.xfer, _first(r), b"\0" * 32)],
     "a header from a peer": lambda r, m, c: [wire.pack({"v": V, "op": "header", "id": r.xfer})],
     "an op nobody knows": lambda r, m, c: [wire.pack({"v": V, "op": "gimme", "id": r.xfer})],
@@ -180,3 +184,15 @@ def test_a_span_reply_nobody_can_use_drops_that_peer_only(
     peer, named = _receive_beside(holds_all, SPAN_FAULTS[fault], caplog)
     assert "span" in peer.asked  # it was asked for what it holds, and answered with the fault
     assert len(named) == 1, named  # one WARNING, naming it
+
+
+def test_a_span_end_that_claims_beyond_the_plan_is_what_drops_the_peer(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A relay's span end says what it holds (wire.end_reply): a peer's word like its have answer. Sent
+    # before the span's data, the end's holdings are judged first: the WARNING names them.
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)
+    fault = SPAN_FAULTS["an end whose holdings go beyond the plan"]
+    peer, named = _receive_beside(holds_all, fault, caplog)
+    assert "span" in peer.asked
+    assert len(named) == 1 and "holdings do not fit the plan" in named[0], named
