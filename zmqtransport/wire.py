@@ -301,11 +301,7 @@ def have_reply(
     fetching now (``coming``) and, from the source, the swarm's other members and, to a claim, the
     messages it reserved for the asker (``claimed``: ``(first, stop)``, or ``()`` when none are left)."""
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HAVE, "id": xfer}
-    size = (messages + 7) // 8
-    if bits is not None:
-        message["bits"] = bits.to_bytes(size, "little")
-    if coming:
-        message["coming"] = coming.to_bytes(size, "little")
+    message.update(_holdings_fields(bits, coming, messages))
     if peers:
         message["peers"] = [[at, token] for at, token in peers]
     if claimed is not None:
@@ -341,14 +337,18 @@ def end_reply(xfer: int, holdings: tuple[int, int, int] | None = None) -> bytes:
     """The end of a transfer. A relay ends a span with its ``holdings``, ``(bits, coming, messages)``: what
     it holds and is fetching, as a ``have`` reply says them, so that its downstream, which will ask it
     for more, learns them without a question (docs/protocol.md, "Swarm")."""
-    message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_END, "id": xfer}
-    if holdings is not None:
-        bits, coming, messages = holdings
-        size = (messages + 7) // 8
-        message["bits"] = bits.to_bytes(size, "little")
-        if coming:
-            message["coming"] = coming.to_bytes(size, "little")
-    return pack(message)
+    fields = {} if holdings is None else _holdings_fields(*holdings)
+    return pack({"v": PROTOCOL_VERSION, "op": OP_END, "id": xfer, **fields})
+
+
+def _holdings_fields(bits: int | None, coming: int, messages: int) -> dict[str, bytes]:
+    """A ``have`` or ``end`` reply's ``bits`` (absent when None) and ``coming`` (absent when empty), a bit
+    per data message, little-endian; :func:`_holdings` reads them back."""
+    size = (messages + 7) // 8
+    fields = {} if bits is None else {"bits": bits.to_bytes(size, "little")}
+    if coming:
+        fields["coming"] = coming.to_bytes(size, "little")
+    return fields
 
 
 @dataclass(frozen=True, slots=True)
