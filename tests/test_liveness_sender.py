@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from zmqtransport import ZMQTransport, wire
+from zmqtransport.serve.router import Router
 
 from .conftest import Processes
 
@@ -270,3 +271,50 @@ def test_stall_timeout_is_validated() -> None:
     ZMQTransport(timedelta(seconds=5), stall_timeout=None, bind_host=LOOPBACK).shutdown()
 
 
+
+
+def test_a_closed_connection_is_charged_to_its_own_peer_not_to_one_that_reuses_its_descriptor() -> None:
+    """A connection closes and a new one gets its descriptor before the serving thread reads the monitor.
+
+    The kernel hands out the lowest free descriptor, so on a busy source (eight
+    receivers at once, some done, some starting) a new receiver's connection
+    often gets the number of one that just closed. Its request must not be
+    mapped to that number before the old end is read, or the end drops the
+    new receiver's transfer too and it stalls (seen in CI as a StalledError in
+    ``test_eight_receivers_at_once_repeatedly``).
+    """
+    context: zmq.Context[Any] = zmq.Context()
+    router = Router(context, [LOOPBACK], 0, None)
+
+    def read_one() -> bytes:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            router.socket.poll(50)
+            read = [peer for peer, _, _ in router.read()]
+            if read:
+                assert len(read) == 1
+                return read[0]
+        raise AssertionError("no request arrived")
+
+    try:
+        first = context.socket(zmq.DEALER)
+        first.connect(f"tcp://{LOOPBACK}:{router.port}")
+        first.send(b"first")
+        first_id = read_one()
+        assert router.disconnected() == []
+        first_fd = router.descriptor(first_id)
+        first.close(linger=0)
+        assert router.monitor.poll(10_000), "the monitor never reported the closed connection"  # queued, not read
+        second = context.socket(zmq.DEALER)
+        second.connect(f"tcp://{LOOPBACK}:{router.port}")
+        second.send(b"second")
+        second_id = read_one()
+        assert router.descriptor(second_id) == first_fd, "the kernel did not reuse the descriptor: nothing tested"
+        assert router.disconnected() == [first_id]
+        assert router.cut(first_id) is False  # gone: cutting it must not touch the second connection
+        assert router.send(second_id, [b"still here"])
+        assert second.poll(5000)
+        second.close(linger=0)
+    finally:
+        router.close()
+        context.destroy(linger=0)

@@ -63,6 +63,8 @@ class Router:
         self._addresses: dict[bytes, str] = {}  # routing id -> the peer address its requests came from
         self.connections = ConnectionBook()
         self._refused: list[tuple[str, str]] = []  # (peer host, why) of connections closed for the caps
+        self._gone: list[bytes] = []  # routing ids whose connection closed, not yet returned by disconnected()
+        self._busy: Container[bytes] = ()  # the last busy set disconnected() was given
 
     def _make(self) -> zmq.Socket[Any]:
         return sockets.new_socket(self._context, zmq.ROUTER, self._configure_router)
@@ -97,7 +99,13 @@ class Router:
                 return
             peer = frames[0].bytes
             with contextlib.suppress(zmq.ZMQError):  # ZMQ_SRCFD is deprecated: without it, stalls still catch the dead
-                self._peer_fds[peer] = fd = int(frames[-1].get(zmq.SRCFD))
+                fd = int(frames[-1].get(zmq.SRCFD))
+                if self._peer_fds.get(peer) != fd:
+                    # A new connection may have the descriptor of one that just closed, whose end the
+                    # monitor already holds (libzmq reports it before closing the descriptor): read that
+                    # end first, or it would be charged to this peer as well.
+                    self._read_monitor()
+                self._peer_fds[peer] = fd
                 self.connections.seen(fd, time.monotonic())
             address = self._addresses[peer] = _peer_address(frames[-1])
             yield peer, address, frames[1:]
@@ -117,30 +125,37 @@ class Router:
         ``ZMQ_SRCFD``) is shut down, not closed, so libzmq's I/O thread sees the
         connection end, closes the descriptor itself and frees the peer's
         queue, as for a peer that went away; every other connection is
-        untouched. Read the monitor first (:meth:`disconnected`): a descriptor
-        whose connection closed may since have been reused, which the check of
-        the remote address guards against as well.
+        untouched. The monitor is read first: a descriptor whose connection
+        closed may since have been reused by another peer's (the check of the
+        remote address guards against that as well, across hosts).
         """
+        self._read_monitor()
         fd = self._peer_fds.get(peer)
         return fd is not None and _shut_down(fd, _host_of(self._addresses.get(peer, "")))
 
     def disconnected(self, busy: Container[bytes] = ()) -> list[bytes]:
         """Routing ids whose connection closed since the last call; new connections are checked against the caps.
 
-        Read before any request (the serving thread does): libzmq reports a
-        closed connection before it closes the descriptor, so a request that
-        arrives on a new connection reusing that number is mapped afterwards.
-        ``busy``: routing ids with something running (their connections are
-        never closed to make room for a new one).
+        Call it before reading requests (the serving thread does). ``busy``:
+        routing ids with something running (their connections are never
+        closed to make room for a new one); :meth:`read` uses the last set
+        given here, as a peer that became busy since then sent a request
+        since then, so it is not idle either.
         """
-        peers: list[bytes] = []
+        self._busy = busy
+        self._read_monitor()
+        gone, self._gone = self._gone, []
+        return gone
+
+    def _read_monitor(self) -> None:
+        """Act on the monitor's events in their order: caps for new connections, ends noted for :meth:`disconnected`."""
         while True:
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                return peers
+                return
             if event["event"] == zmq.EVENT_ACCEPTED:
-                self._accepted(int(event["value"]), busy)
+                self._accepted(int(event["value"]), self._busy)
                 continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
@@ -149,7 +164,7 @@ class Router:
             for peer in gone:
                 del self._peer_fds[peer]
                 self._addresses.pop(peer, None)
-            peers += gone
+            self._gone += gone
 
     def _accepted(self, fd: int, busy: Container[bytes]) -> None:
         """A new connection on ``fd``: within the caps it stays; beyond them it (or an idle one) is closed."""
