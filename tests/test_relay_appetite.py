@@ -56,7 +56,7 @@ from zmqtransport import ZMQTransport, digests, relayed, wire
 from zmqtransport.net import parse_metadata
 
 from .conftest import Processes, assert_same
-from .floods import keep_granting, unread_dealer
+from .floods import ARENA_HEAP, allocated, keep_granting, unread_dealer
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -69,7 +69,6 @@ RELAY_STALL = 1.0  # the relay's stall bound (seconds): how long an unread conne
 RECEIVE_SECONDS = 2.0  # the relay's own receive is slowed to about this long: the window to flood in
 QUEUED_PER_CONNECTION = 32 * MiB  # serve/frames.py, documented in docs/security.md
 MARGIN = 64 * MiB  # the honest receivers' fetches, allocator slack, a run's noise
-ARENA_HEAP = 64 * MiB  # glibc's HEAP_MAX_SIZE on 64-bit: a thread arena's heap, whose free top stays resident
 TIMEOUT = timedelta(seconds=60)
 
 
@@ -114,21 +113,6 @@ def _resident_now() -> int:
     return _status_self("VmRSS")
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
-    ] + [("keepcost", ctypes.c_size_t)]
-
-
-def _allocated_now() -> int:
-    """What this process's malloc has handed out and not had back (all arenas, mmapped chunks included)."""
-    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2  # glibc 2.33 on
-    mallinfo2.restype = _Mallinfo2
-    info = mallinfo2()
-    return int(info.uordblks + info.hblkhd)
-
-
 def _status_self(field: str) -> int:
     import os
 
@@ -170,7 +154,7 @@ def _relay(kind: str, metadata: str, started: Any, results: Any, stop: Any, log_
                 "peak": _status_self("VmHWM"),
                 "at_return": at_return,
                 "after": _resident_now(),
-                "allocated": _allocated_now(),
+                "allocated": allocated(),
             }
         )
         stop.wait(60)
