@@ -29,8 +29,8 @@ most the margin: the cut frees the attacker's queues. Its resident memory then
 may exceed the clean run's by the margin plus one thread arena's heap (64 MiB):
 glibc is asked to hand back what nothing references (``malloc_trim``), but it
 does not trim the top of a thread's arena, so the serving or I/O thread's
-arena can keep up to a heap of free memory resident (seen in about 1 run in
-20 as +62 to +65 MiB of RSS with the in-use bytes equal to the clean run's).
+arena can keep up to a heap of free memory resident (seen in 5 of 41 runs
+as +60 to +65 MiB of RSS with the in-use bytes equal to the clean run's).
 The relay logs at most a few WARNINGs: one per peer and kind. Two
 states: small tensors (every message a packed frame) and large ones (1 MiB
 frames of a few storages). Memory bounds have generous margins; time bounds
