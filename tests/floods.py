@@ -5,33 +5,37 @@ credit, and how the attacked process reads what it still has allocated."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
-from collections.abc import Callable
-from typing import Any
 
 import zmq
 
 from zmqtransport import wire
 
-# Source text, so that the lab's scripts (run with ``python -c`` on a host of their own) define the same
-# function. What the attacked process still has allocated once a cut freed the attacker's queues: RSS
-# alone cannot say, because glibc's malloc_trim does not trim a thread arena's top chunk, and the
-# serving or I/O thread's arena may keep up to one heap (64 MiB on 64-bit) of free memory resident.
-ALLOCATED = """
-def allocated():
-    \"\"\"What malloc has handed out and not had back: all arenas and mmapped chunks (glibc 2.33 on).\"\"\"
+ARENA_HEAP = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: a thread arena's heap, whose free top stays resident
+
+
+def allocated() -> int:
+    """What malloc has handed out and not had back: all arenas and mmapped chunks (glibc 2.33 on).
+
+    What the attacked process still has allocated once a cut freed the attacker's
+    queues: RSS alone cannot say, because glibc's malloc_trim does not trim a
+    thread arena's top chunk, and the serving or I/O thread's arena may keep up
+    to one heap (:data:`ARENA_HEAP`) of free memory resident. Self-contained, so
+    that the lab's scripts (``python -c`` on a host of their own) can define it
+    from :data:`ALLOCATED`, its source.
+    """
     import ctypes
+
     names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
     info_type = type("Mallinfo2", (ctypes.Structure,), {"_fields_": [(name, ctypes.c_size_t) for name in names]})
     mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
     mallinfo2.restype = info_type
     info = mallinfo2()
     return int(info.uordblks + info.hblkhd)
-"""
-ARENA_HEAP = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: a thread arena's heap, whose free top stays resident
-_defined: dict[str, Any] = {}
-exec(ALLOCATED, _defined)  # our own text, above
-allocated: Callable[[], int] = _defined["allocated"]
+
+
+ALLOCATED = inspect.getsource(allocated)
 
 
 def unread_dealer(context: zmq.Context[zmq.Socket[bytes]], host: str, port: int) -> zmq.Socket[bytes]:

@@ -271,8 +271,6 @@ def test_stall_timeout_is_validated() -> None:
     ZMQTransport(timedelta(seconds=5), stall_timeout=None, bind_host=LOOPBACK).shutdown()
 
 
-
-
 def test_a_closed_connection_is_charged_to_its_own_peer_not_to_one_that_reuses_its_descriptor() -> None:
     """A connection closes and a new one gets its descriptor before the serving thread reads the monitor.
 
