@@ -255,6 +255,29 @@ def test_a_slow_stream_is_overtaken_by_a_faster_one_with_nothing_to_do() -> None
     assert FASTER_BY > 1
 
 
+def test_a_pass_weighs_for_a_takeover_a_span_opened_earlier_in_it() -> None:
+    # A pass gathers what might be taken over only once a stream in it asks (most passes hand every stream
+    # a span of its own, or none has room): the spans opened before that in the pass are weighed as well.
+    b, source, peer = swarm(8, span=2, depth=1)
+    b.holds(7, bits(0, 1))
+    first_pass = b.takeovers(0.0)
+    slow, fast = b.assign(peer, 1, 0.0, first_pass), b.assign(source, 2, 0.0, first_pass)
+    assert slow is not None and fast is not None and (slow.first, fast.first) == (0, 2)
+    for xfer, seqs, times in ((2, (2, 3), (0.02, 0.04)), (3, (4, 5), (0.06, 0.08)), (1, (0, 1), (0.4, 0.8))):
+        if xfer == 3:
+            assert b.assign(source, 3, 0.04) is not None
+        for seq, now in zip(seqs, times, strict=True):
+            b.on_data(xfer, seq, now)
+        b.on_end(xfer)
+    b.holds(7, bits(0, 1, 6, 7))  # the peer (a message every 0.4 s) now holds the last two
+    in_pass = b.takeovers(0.8)
+    opened = b.assign(peer, 4, 0.8, in_pass)
+    assert opened is not None and (opened.first, opened.stop) == (6, 8)
+    # The source (a message every 0.02 s) has nothing free: it takes over the span just opened.
+    taken = b.assign(source, 5, 0.8, in_pass)
+    assert taken is not None and (taken.first, taken.stop) == (6, 8) and opened.taken_over
+
+
 def test_a_stream_of_equal_pace_is_not_overtaken() -> None:
     b, source, peer = swarm(8, span=4, depth=1)
     b.holds(7, bits(*range(4)))

@@ -325,7 +325,8 @@ class Outgoing:
         for index, lane in enumerate(plan.lanes):
             if lane.gone:
                 continue
-            while (span := book.assign(index, self.new_xfer(), now, takeovers)) is not None:
+            # A transfer id is drawn only for a stream with room (most of a swarm's streams have none).
+            while book.has_room(index) and (span := book.assign(index, self.new_xfer(), now, takeovers)) is not None:
                 logger.debug("asking %s for messages %d..%d", lane.endpoint, span.first, span.stop)
                 request = span_request(span.xfer, span.first, span.stop, terms, lane.token, now)
                 actions.append(Send(index, span.xfer, request))
@@ -603,8 +604,10 @@ def silent_for(book: SpanBook, index: int, lane: Lane, source_heard: float | Non
     a span's data may take longer than the stall bound while the source answers this receive's questions
     on its other connection. Stalled is a source that sends the receive nothing at all; a slow path's
     spans go to others (takeovers)."""
-    owed = [span for span in book.outstanding(index) if not span.finished]
-    silent = now - min(book.silent_since(s) for s in owed) if owed else 0.0
+    since = book.owed_since(index)
+    if since is None:
+        return 0.0  # it owes nothing (most streams of a swarm, on most passes)
+    silent = now - since
     if lane.token is None and source_heard is not None:
         silent = min(silent, now - source_heard)
     return silent

@@ -47,7 +47,7 @@ set operation a few microseconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..bitsets import lowest, lowest_from, run, run_length
@@ -158,6 +158,15 @@ class _Stream:
         """Since when it has delivered nothing for ``span`` (counted from when the span was asked for)."""
         return span.opened if self.last_data is None else max(self.last_data, span.opened)
 
+    def owed_since(self) -> float | None:
+        """Since when it has delivered nothing of the spans it still owes (None: it owes none)."""
+        since = None
+        for span in self.spans:
+            if not span.finished:
+                at = self.silent_since(span)
+                since = at if since is None or at < since else since
+        return since
+
     def quiet(self, now: float, source_time: float) -> bool:
         """Whether it owes data and has sent nothing for longer than its pace explains."""
         owed = [span for span in self.spans if not span.finished]
@@ -227,19 +236,34 @@ class Takeovers:
     taken over is skipped from then on."""
 
     def __init__(
-        self, streams: list[_Stream], landed: bytearray, spans: Iterable[Span], now: float, source_time: float
+        self,
+        streams: list[_Stream],
+        landed: bytearray,
+        spans: Callable[[], Iterable[Span]],
+        now: float,
+        source_time: Callable[[], float],
     ) -> None:
-        self.streams, self.landed, self.now, self.source_time = streams, landed, now, source_time
+        self.streams, self.landed, self.now = streams, landed, now
+        self._spans, self._source_time = spans, source_time
+        self.source_time = 0.0
         # Each candidate: the span, its first missing message, its silence if it is quiet (else 0), its pace.
         self.entries: list[tuple[Span, int, float, float | None]] = []
         self.quiet = False  # some span is quiet: worth taking over whatever the taker's pace
         self.slowest = 0.0  # the slowest measured pace among the candidates' streams
-        for span in spans:
+        # Gathered when a stream first asks (:meth:`victim`): most passes hand every stream a span of its
+        # own or have none with room, and gathering weighs every span out (a fifth of a member's pass, 11
+        # receivers). The spans are the ones out then, those opened earlier in the pass included.
+        self._gathered = False
+
+    def _gather(self) -> None:
+        self._gathered = True
+        self.source_time = self._source_time()
+        for span in self._spans():
             self.add(span)
 
     def add(self, span: Span) -> None:
-        if span.taken_over or span.finished:
-            return
+        if not self._gathered or span.taken_over or span.finished:
+            return  # not gathered yet: the span is among those gathered
         first = _first_missing(self.landed, span.next, span.stop)
         if first >= span.stop:
             return
@@ -255,6 +279,8 @@ class Takeovers:
         """The span ``stream`` (whose peer holds ``held``) should take over, if any: the one whose rest is
         worth most, its silence when it is quiet, else the time its rest would still take when its stream
         is :data:`FASTER_BY` slower than this one (a pace of 0, messages drained at once, measures nothing)."""
+        if not self._gathered:
+            self._gather()
         mine = self.streams[stream].pace()
         if not self.quiet and not (mine and self.slowest > FASTER_BY * mine):
             return None  # no candidate is worth anything to this stream
@@ -346,6 +372,10 @@ class SpanBook:
     def outstanding(self, stream: int) -> list[Span]:
         return list(self._streams[stream].spans)
 
+    def owed_since(self, stream: int) -> float | None:
+        """Since when ``stream`` has delivered nothing of the spans it still owes (None: it owes none)."""
+        return self._streams[stream].owed_since()
+
     def live(self) -> list[int]:
         return [index for index, stream in enumerate(self._streams) if not stream.lost]
 
@@ -400,15 +430,20 @@ class SpanBook:
 
     def takeovers(self, now: float) -> Takeovers:
         """What :meth:`assign` weighs for a takeover, gathered once for a pass over every stream at ``now``."""
-        return Takeovers(self._streams, self.landed, self.registry.of(Span), now, self._source_time())
+        return Takeovers(self._streams, self.landed, lambda: self.registry.of(Span), now, self._source_time)
+
+    def has_room(self, stream: int) -> bool:
+        """Whether ``stream`` may be asked for a span now: it is up, carries data and has room for one."""
+        state = self._streams[stream]
+        depth = self.depth if state.peer == SOURCE else self.peer_depth
+        return not state.lost and state.up and state.data and len(state.spans) < depth
 
     def assign(self, stream: int, xfer: int, now: float, takeovers: Takeovers | None = None) -> Span | None:
         """The next span for ``stream`` to ask for under ``xfer``, or None (it is full, down, or nothing is due);
         ``takeovers``: :meth:`takeovers` at ``now``, for a pass that asks every stream in turn."""
-        state = self._streams[stream]
-        depth = self.depth if state.peer == SOURCE else self.peer_depth
-        if state.lost or not state.up or not state.data or len(state.spans) >= depth:
+        if not self.has_room(stream):
             return None
+        state = self._streams[stream]
         held = self._holds.of(state.peer)
         choice = self._choose(stream, self._free & held, now)
         if choice is not None:
