@@ -250,9 +250,10 @@ class Takeovers:
         self.entries: list[tuple[Span, int, float, float | None]] = []
         self.quiet = False  # some span is quiet: worth taking over whatever the taker's pace
         self.slowest = 0.0  # the slowest measured pace among the candidates' streams
-        # Gathered when a stream first asks (:meth:`victim`): most passes hand every stream a span of its
-        # own or have none with room, and gathering weighs every span out (a fifth of a member's pass, 11
-        # receivers). The spans are the ones out then, those opened earlier in the pass included.
+        # Gathered when a stream first asks (:meth:`victim`): a pass that hands every stream with room a
+        # span of its own needs none, and gathering weighs every span out (in the simulator at 11
+        # receivers, a tenth of a pass; a third of it skipped this way). The spans gathered are the
+        # ones out then, those opened earlier in the pass included.
         self._gathered = False
 
     def _gather(self) -> None:
