@@ -710,3 +710,35 @@ def test_issue33_targets_fast_links_and_the_relaying_cpu() -> None:
     }
     # Issue 13's shaped-link targets leave the unshaped rows alone.
     assert not [t for t in evaluate_targets([one, three]) if t.issue in (13, 22)]
+
+
+def test_the_tcp_anchor_serves_on_when_a_receiver_dies_mid_transfer() -> None:
+    # lab-kill SIGKILLs a receiver mid-transfer: its connection resets under the anchor's send. That was
+    # reported as the anchor's own failure and ended the whole benchmark run; a request the anchor
+    # cannot serve still is one.
+    import socket
+    import struct
+
+    import torch
+
+    from zmqtransport.bench.config import Knobs
+    from zmqtransport.bench.methods import _TCP_REQUEST, Place, SendEnv, TcpMethod
+
+    tensors = [torch.ones(16 << 20, dtype=torch.uint8) for _ in range(4)]  # 64 MiB: more than a socket buffers
+    env = SendEnv(tensors, {"t": tensors}, Knobs(timeout_s=10.0), Place(), receivers=1)
+    serving = TcpMethod("tcp-reused", into_targets=True).serve(env)
+    try:
+        serving.stage(1)
+        host, port = serving.metadata().rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as victim:
+            victim.sendall(_TCP_REQUEST.pack(1, 0, 1))
+            assert victim.recv(1 << 16)  # the state is on its way
+            victim.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # dies: a reset
+        serving.finish()  # the others would be served on: no failure of the anchor's own
+        with socket.create_connection((host, int(port))) as wrong:
+            wrong.sendall(_TCP_REQUEST.pack(2, 0, 1))  # a step that is not staged
+            assert wrong.recv(1) == b""
+        with pytest.raises(RuntimeError, match="not staged"):
+            serving.finish()
+    finally:
+        serving.close()

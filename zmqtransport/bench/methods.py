@@ -157,6 +157,7 @@ class _TcpServing(_QuietServing):
         self.env = env
         self.step = -1
         self.errors: list[str] = []
+        self.gone = 0  # connections whose receiver went away mid-transfer
         self.threads: list[threading.Thread] = []
         self.listener = socket.create_server((env.place.host, 0), backlog=64)
         threading.Thread(target=self._accept, daemon=True).start()
@@ -194,6 +195,10 @@ class _TcpServing(_QuietServing):
                 if not 0 <= flow < flows:
                     raise RuntimeError(f"TCP request for flow {flow} of {flows}")
                 send_views(conn, split_views(self.env.views, flows)[flow])
+        except (ConnectionResetError, BrokenPipeError):
+            # The receiver went away mid-transfer (lab-kill SIGKILLs one): what that means for the run is
+            # its own side's to report; the anchor serves the others on, as every other method does.
+            self.gone += 1
         except BaseException:  # noqa: BLE001 - reported by finish()
             self.errors.append(traceback.format_exc())
 
