@@ -169,8 +169,8 @@ class _Stream:
 
     def quiet(self, now: float, source_time: float) -> bool:
         """Whether it owes data and has sent nothing for longer than its pace explains."""
-        owed = [span for span in self.spans if not span.finished]
-        return any(now - self.silent_since(span) >= self.quiet_after(source_time) for span in owed)
+        since = self.owed_since()
+        return since is not None and now - since >= self.quiet_after(source_time)
 
 
 
@@ -369,9 +369,6 @@ class SpanBook:
         while self._prefix < self.messages and self.landed[self._prefix] == LANDED:
             self._prefix += 1
         return self._prefix
-
-    def outstanding(self, stream: int) -> list[Span]:
-        return list(self._streams[stream].spans)
 
     def owed_since(self, stream: int) -> float | None:
         """Since when ``stream`` has delivered nothing of the spans it still owes (None: it owes none)."""
