@@ -157,7 +157,6 @@ class _TcpServing(_QuietServing):
         self.env = env
         self.step = -1
         self.errors: list[str] = []
-        self.gone = 0  # connections whose receiver went away mid-transfer
         self.threads: list[threading.Thread] = []
         self.listener = socket.create_server((env.place.host, 0), backlog=64)
         threading.Thread(target=self._accept, daemon=True).start()
@@ -198,7 +197,7 @@ class _TcpServing(_QuietServing):
         except (ConnectionResetError, BrokenPipeError):
             # The receiver went away mid-transfer (lab-kill SIGKILLs one): what that means for the run is
             # its own side's to report; the anchor serves the others on, as every other method does.
-            self.gone += 1
+            return
         except BaseException:  # noqa: BLE001 - reported by finish()
             self.errors.append(traceback.format_exc())
 
