@@ -263,17 +263,20 @@ def test_a_pass_weighs_for_a_takeover_a_span_opened_earlier_in_it() -> None:
     first_pass = b.takeovers(0.0)
     slow, fast = b.assign(peer, 1, 0.0, first_pass), b.assign(source, 2, 0.0, first_pass)
     assert slow is not None and fast is not None and (slow.first, fast.first) == (0, 2)
-    for xfer, seqs, times in ((2, (2, 3), (0.02, 0.04)), (3, (4, 5), (0.06, 0.08)), (1, (0, 1), (0.4, 0.8))):
-        if xfer == 3:
-            assert b.assign(source, 3, 0.04) is not None
-        for seq, now in zip(seqs, times, strict=True):
-            b.on_data(xfer, seq, now)
-        b.on_end(xfer)
-    b.holds(7, bits(0, 1, 6, 7))  # the peer (a message every 0.4 s) now holds the last two
+    # The source delivers a message every 0.02 s, the peer one every 0.4 s.
+    for xfer, seq, now in ((2, 2, 0.02), (2, 3, 0.04)):
+        b.on_data(xfer, seq, now)
+    b.on_end(2)
+    assert b.assign(source, 3, 0.04) is not None
+    for xfer, seq, now in ((3, 4, 0.06), (3, 5, 0.08), (1, 0, 0.4), (1, 1, 0.8)):
+        b.on_data(xfer, seq, now)
+    b.on_end(3)
+    b.on_end(1)
+    b.holds(7, bits(0, 1, 6, 7))  # the peer now holds the last two
     in_pass = b.takeovers(0.8)
     opened = b.assign(peer, 4, 0.8, in_pass)
     assert opened is not None and (opened.first, opened.stop) == (6, 8)
-    # The source (a message every 0.02 s) has nothing free: it takes over the span just opened.
+    # The source, FASTER_BY faster, has nothing free: it takes over the span just opened.
     taken = b.assign(source, 5, 0.8, in_pass)
     assert taken is not None and (taken.first, taken.stop) == (6, 8) and opened.taken_over
 
