@@ -177,7 +177,8 @@ class _Stream:
 class Reservations:
     """What the source reserved for this receive and it has not asked for yet (docs/protocol.md, "Swarm":
     claims): a swarm member asks the source only for these while :attr:`open`, that is until the source
-    has reserved every message once, reserves none, or does not answer in time (:meth:`close`)."""
+    has reserved every message once, reserves none, or does not answer in time (:meth:`close`), and
+    for these first after that."""
 
     def __init__(self, everything: int) -> None:
         self.everything = everything
@@ -625,7 +626,8 @@ class SpanBook:
             return None
         state = self._streams[stream]
         size = self.source_span if state.peer == SOURCE and len(self._holds.held) > 1 else self.span
-        if state.peer == SOURCE and self.reserved.open:
+        if state.peer == SOURCE and (self.reserved.open or candidates & self.reserved.bits):
+            # What the source reserved for this receive comes first, also once it has none left to reserve.
             pool = candidates & self.reserved.bits
             if not pool:
                 return None
