@@ -686,6 +686,30 @@ def two_members(net: Net) -> Staged:
     return the_staged
 
 
+def test_with_members_the_source_sends_first_copies_before_second_copies(net: Net) -> None:
+    the_staged = two_members(net)
+    net.request(b"a", span(1, 0, 1, the_staged.stage_id))
+    net.pump()
+    assert net.data(b"a", 1) == [0]
+    net.request(b"b", span(2, 0, 1, the_staged.stage_id))  # a second copy of message 0
+    net.request(b"a", span(3, 1, 3, the_staged.stage_id))  # messages nobody has been sent
+    assert [t.key for t in net.scheduler.next_round()] == [(b"a", 3)]
+    net.pump(rounds=1)
+    assert net.data(b"a", 3) == [1] and net.data(b"b", 2) == []  # the second copy waited
+    net.pump()
+    assert net.data(b"a", 3) == [1, 2] and net.data(b"b", 2) == [0]  # and went once none was ready
+
+
+def test_without_members_every_transfer_has_its_turn(net: Net) -> None:
+    step = staged(messages=4)
+    net.execute(net.scheduler.stage(step, net.now))
+    net.request(b"a", span(1, 0, 2, step.stage_id))
+    net.pump()
+    net.request(b"b", span(2, 0, 1, step.stage_id))
+    net.request(b"a", span(3, 2, 4, step.stage_id))
+    assert sorted(t.key for t in net.scheduler.next_round()) == [(b"a", 3), (b"b", 2)]
+
+
 def test_a_member_asking_the_source_learns_the_others_and_a_peer_says_what_it_holds(net: Net) -> None:
     the_staged = two_members(net)
     a_token = bytes([1]) * 16

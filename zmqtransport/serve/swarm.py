@@ -59,6 +59,8 @@ class Swarm:
         # Messages reserved for some member (a bit set), and where the next reservation starts.
         self.claimed = 0
         self._cursor = 0
+        # Messages of the staging sent to some receiver at least once: their first copies are out.
+        self.sent = 0
 
     def join(self, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
         """A receiver offered to relay: its token, and the members it may fetch from (the newest last).
@@ -146,6 +148,7 @@ class Swarm:
         self.algorithm = None
         self.claimed = 0
         self._cursor = 0
+        self.sent = 0
 
     def _member(self, token: bytes) -> bool:
         return any(member.token == token for member in self.members)
