@@ -10,7 +10,8 @@ let in, :mod:`.admission`; the steps this side relays, :mod:`.relayed_steps`.
 
 Flow control (docs/protocol.md, "Flow control"): a transfer may send while it
 has credit; :meth:`Scheduler.next_round` offers one data message per transfer
-per round, so concurrent receivers share the link.
+per round, so concurrent receivers share the link (with swarm members, the
+messages no receiver has yet first).
 """
 
 from __future__ import annotations
