@@ -28,7 +28,7 @@ from .admission import Limits, busy_reason, digest_transfer, start_refusal
 from .relayed_steps import RelayedSteps
 from .staged import Served, Staged
 from .swarm import Swarm
-from .transfers import Hashing, Key, Parked, Transfer, first_copies_first, stalled, transfer_hashing
+from .transfers import Hashing, Key, Parked, Transfer, stalled, transfer_hashing
 from .uplink import Uplink
 from .withdrawn import Withdrawals
 
@@ -214,7 +214,7 @@ class Scheduler:
         view held took half the uplink, and the last first copy left at
         twice the ideal (docs/sim.md, "First copies first at the source").
         """
-        return first_copies_first([t for t in self.transfers.values() if t.sendable], self.staged, self.swarm)
+        return self.swarm.first_copies([t for t in self.transfers.values() if t.sendable], self.staged)
 
     def sent(self, transfer: Transfer, now: float) -> list[Action]:
         """Data message ``transfer.next_seq`` went out."""

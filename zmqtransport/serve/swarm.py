@@ -18,10 +18,15 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from .. import digests, wire
 from ..bitsets import lowest_from, run, run_length
 from ..net import parse_metadata
+
+if TYPE_CHECKING:
+    from .staged import Served
+    from .transfers import Transfer
 
 # The metadata parameter of a CurveZMQ server key (zmqtransport.security.METADATA_KEY), and its z85 form.
 CURVE_PARAM = "curve"
@@ -136,6 +141,14 @@ class Swarm:
         self.claimed |= run(first, stop)
         self._cursor = stop % messages
         return first, stop
+
+    def first_copies(self, ready: list[Transfer], staged: Served | None) -> list[Transfer]:
+        """Of the ``ready`` transfers, while there are members, those whose next message of ``staged`` no
+        receiver has been sent yet (not in :attr:`sent`), if any; else all of them (Scheduler.next_round)."""
+        if not self.members:
+            return ready
+        first = [t for t in ready if t.staged is staged and not self.sent >> t.next_seq & 1]
+        return first or ready
 
     def left(self, peer: bytes) -> None:
         """The header connection of ``peer`` closed: it no longer serves (its receive ended)."""

@@ -16,7 +16,6 @@ from .. import digests, wire
 
 if TYPE_CHECKING:
     from .staged import Served, Staged
-    from .swarm import Swarm
 
 Key = tuple[bytes, int]  # (routing id of the receiver's socket, transfer id it chose)
 
@@ -91,15 +90,6 @@ class Parked:
     @property
     def key(self) -> Key:
         return (self.peer, self.request.xfer)
-
-
-def first_copies_first(ready: list[Transfer], staged: Served | None, swarm: Swarm) -> list[Transfer]:
-    """Of the ``ready`` transfers, while ``swarm`` has members, those whose next message of ``staged`` no
-    receiver has been sent yet (not in ``swarm.sent``), if any; else all of them."""
-    if not swarm.members:
-        return ready
-    first = [t for t in ready if t.staged is staged and not swarm.sent >> t.next_seq & 1]
-    return first or ready
 
 
 def stalled(transfer: Transfer, now: float, stall: float) -> str | None:
