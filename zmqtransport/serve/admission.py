@@ -56,9 +56,9 @@ def busy_reason(transfers: Iterable[Transfer], peer: bytes, limits: Limits, firs
     """Why one more data transfer from ``peer`` would exceed the limits (None: it would not).
 
     Digest requests do not count: they have bounds of their own. A
-    ``first_copy`` (a swarm member's span fetch of a message no receiver has
-    been sent yet, :meth:`.swarm.Swarm.first_copy`) may also use
-    :attr:`Limits.first_copies` places beyond :attr:`Limits.transfers`. The
+    ``first_copy`` (a span fetch, while the staged step has swarm members,
+    of a message no receiver has been sent yet: :meth:`.swarm.Swarm.first_copy`)
+    may also use :attr:`Limits.first_copies` places beyond :attr:`Limits.transfers`. The
     source sends first copies before second copies (``Scheduler.next_round``),
     so the transfers that wait are second copies; with 256 members, each with
     one span out to the source, they held the 64 places while the members
