@@ -674,10 +674,10 @@ def test_swarm_names_every_member_so_far_to_each_newcomer(net: Net) -> None:
     assert fresh.peers == () and fresh.upstream is None
 
 
-def two_members(net: Net, limits: Limits | None = None) -> Staged:
+def two_members(net: Net) -> Staged:
     """A staging with two members, a (10.0.0.1, token 1 x 16) and b (10.0.0.2, token 2 x 16): it is returned."""
     tokens = iter(bytes([n]) * 16 for n in range(1, 10))
-    net.scheduler = Scheduler(TIMEOUT, limits=limits, make_token=lambda: next(tokens))
+    net.scheduler = Scheduler(TIMEOUT, make_token=lambda: next(tokens))
     the_staged = staged()
     net.execute(net.scheduler.stage(the_staged, net.now))
     for peer, host in ((b"a", "10.0.0.1"), (b"b", "10.0.0.2")):
@@ -698,33 +698,6 @@ def test_with_members_the_source_sends_first_copies_before_second_copies(net: Ne
     assert net.data(b"a", 3) == [1] and net.data(b"b", 2) == []  # the second copy waited
     net.pump()
     assert net.data(b"a", 3) == [1, 2] and net.data(b"b", 2) == [0]  # and went once none was ready
-
-
-def test_with_members_a_first_copy_is_let_in_past_the_transfer_limit_a_second_copy_is_not(net: Net) -> None:
-    stage = two_members(net, Limits(transfers=2, first_copies=1)).stage_id
-    net.request(b"a", span(1, 0, 1, stage))
-    net.pump()
-    # Second copies of message 0 hold both places, waiting.
-    net.request(b"c", span(2, 0, 1, stage))
-    net.request(b"d", span(3, 0, 1, stage))
-    net.request(b"b", span(4, 0, 1, stage))
-    assert net.ops(b"b") == [("error", wire.ERR_BUSY)]
-    # A member asking for a message nobody has been sent is let in, up to first_copies more, and goes first.
-    net.request(b"b", span(5, 5, 6, stage))
-    net.request(b"a", span(6, 6, 7, stage))
-    assert net.ops(b"b")[1:] == [] and net.ops(b"a")[-1] == ("error", wire.ERR_BUSY)
-    assert [t.key for t in net.scheduler.next_round()] == [(b"b", 5)]
-    net.pump()
-    assert net.data(b"b", 5) == [5] and net.data(b"c", 2) == [0] and net.data(b"d", 3) == [0]
-
-
-def test_without_members_a_span_of_an_unsent_message_has_no_extra_place(net: Net) -> None:
-    net.scheduler = Scheduler(TIMEOUT, limits=Limits(transfers=1, first_copies=4))
-    step = staged(messages=4)
-    net.execute(net.scheduler.stage(step, net.now))
-    net.request(b"a", span(1, 0, 1, step.stage_id))
-    net.request(b"b", span(2, 1, 2, step.stage_id))
-    assert net.ops(b"b") == [("error", wire.ERR_BUSY)]
 
 
 def test_without_members_every_transfer_has_its_turn(net: Net) -> None:

@@ -29,9 +29,6 @@ class Limits:
 
     transfers_per_peer: int = 4
     transfers: int = 64
-    # Span fetches of a message no receiver has been sent yet, while the staged step has swarm
-    # members, let in beyond ``transfers`` (see busy_reason): about one per member.
-    first_copies: int = 1024
     parked: int = 256
     # Digest requests (small, answered within a few rounds) have bounds of their own.
     digests_per_peer: int = 16
@@ -52,24 +49,15 @@ def start_refusal(request: wire.Request, staged: Staged, busy: str | None) -> tu
     return (None, "") if busy is None else (wire.ERR_BUSY, busy)
 
 
-def busy_reason(transfers: Iterable[Transfer], peer: bytes, limits: Limits, first_copy: bool = False) -> str | None:
+def busy_reason(transfers: Iterable[Transfer], peer: bytes, limits: Limits) -> str | None:
     """Why one more data transfer from ``peer`` would exceed the limits (None: it would not).
 
-    Digest requests do not count: they have bounds of their own. A
-    ``first_copy`` (a span fetch, while the staged step has swarm members,
-    of a message no receiver has been sent yet: :meth:`.swarm.Swarm.first_copy`)
-    may also use :attr:`Limits.first_copies` places beyond :attr:`Limits.transfers`. The
-    source sends first copies before second copies (``Scheduler.next_round``),
-    so the transfers that wait are second copies; with 256 members, each with
-    one span out to the source, they held the 64 places while the members
-    whose reserved messages were never sent were refused ``busy`` and backed
-    off, and the source sent second copies for want of first ones (docs/sim.md,
-    "First copies past the source's limit").
+    Digest requests do not count: they have bounds of their own.
     """
     data = [t for t in transfers if not t.digests_only]
     if sum(1 for t in data if t.peer == peer) >= limits.transfers_per_peer:
         return "too many transfers from this peer"
-    if len(data) >= limits.transfers + (limits.first_copies if first_copy else 0):
+    if len(data) >= limits.transfers:
         return "too many concurrent transfers"
     return None
 

@@ -142,26 +142,13 @@ class Swarm:
         self._cursor = stop % messages
         return first, stop
 
-    def first_copies(self, transfers: Iterable[Transfer], staged: Served | None) -> list[Transfer]:
-        """Of the ``transfers`` that can send now, while there are members, those whose next message of
-        ``staged`` no receiver has been sent yet (not in :attr:`sent`), if any; else all of them
-        (Scheduler.next_round).
-
-        Past 64 members, second copies that members asked for what nobody in
-        their view held took half the uplink, and the last first copy left at
-        twice the ideal (docs/sim.md, "First copies first at the source").
-        """
-        ready = [t for t in transfers if t.sendable]
+    def first_copies(self, ready: list[Transfer], staged: Served | None) -> list[Transfer]:
+        """Of the ``ready`` transfers, while there are members, those whose next message of ``staged`` no
+        receiver has been sent yet (not in :attr:`sent`), if any; else all of them (Scheduler.next_round)."""
         if not self.members:
             return ready
         first = [t for t in ready if t.staged is staged and not self.sent >> t.next_seq & 1]
         return first or ready
-
-    def first_copy(self, span: tuple[int, int] | None) -> bool:
-        """Whether a span fetch of the staged step (``span``: None, a whole fetch) asks for a message no
-        receiver has been sent yet while there are members: it may go past the transfer limit
-        (:func:`.admission.busy_reason`)."""
-        return span is not None and bool(self.members) and not self.sent >> span[0] & 1
 
     def left(self, peer: bytes) -> None:
         """The header connection of ``peer`` closed: it no longer serves (its receive ended)."""
