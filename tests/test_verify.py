@@ -464,14 +464,20 @@ def silent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, tuple[int, int]]]
 
 
 def _heal_behind_a_rogue(
-    make_transport: Any, caplog: pytest.LogCaptureFixture, rogue_pace: float = 0.02, **downstream: Any
+    make_transport: Any,
+    caplog: pytest.LogCaptureFixture,
+    rogue_pace: float = 0.02,
+    through_device: bool = False,
+    **downstream: Any,
 ) -> tuple[Any, Any, Any]:
     """The source, a rogue at the head of its chain, and an honest receiver sent to it; the honest outcome.
 
-    ``rogue_pace``: seconds the rogue's own receive spends per message (it relays while that runs)."""
-    sender = make_transport(checksum=True)
+    ``rogue_pace``: seconds the rogue's own receive spends per message (it relays while that runs).
+    ``through_device``: the source's memory and the honest receiver's go through (fake) device staging."""
+    staging = (lambda: {"staging": FakeDevice().staging()}) if through_device else dict
+    sender = make_transport(checksum=True, **staging())
     rogue = make_transport(progress=slow(rogue_pace))
-    honest = make_transport(**downstream)
+    honest = make_transport(**staging(), **downstream)
     want = state()
     sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
     rogue_done: list[Any] = []
@@ -489,7 +495,12 @@ def _heal_behind_a_rogue(
 
 
 def _heal_until_named(
-    make_transport: Any, caplog: pytest.LogCaptureFixture, check: Any, attempts: int = 3, **downstream: Any
+    make_transport: Any,
+    caplog: pytest.LogCaptureFixture,
+    check: Any,
+    attempts: int = 3,
+    through_device: bool = False,
+    **downstream: Any,
 ) -> list[str]:
     """:func:`_heal_behind_a_rogue` until the honest receive met the rogue (named it), ``check``-ing each heal.
 
@@ -499,7 +510,7 @@ def _heal_until_named(
     heal still has to be right; it just shows nothing about the rogue, so it is
     tried again (a bounded number of times)."""
     for _ in range(attempts):
-        stats, named, _ = _heal_behind_a_rogue(make_transport, caplog, **downstream)
+        stats, named, _ = _heal_behind_a_rogue(make_transport, caplog, through_device=through_device, **downstream)
         check(stats)
         if named:
             return named
@@ -548,28 +559,8 @@ def test_a_rogue_relay_ahead_of_a_device_receive(
 ) -> None:
     # The source's memory and the receiver's go through (fake) device staging: the
     # source hashes what it sends its relay; the receiver hashes its bounce buffers.
-    # Whether the honest receive asks the rogue at all is a race (see _heal_until_named): each heal
-    # must be right, and one of a bounded number must have met the rogue and named it.
     forging(monkeypatch)
-    for _ in range(3):
-        caplog.clear()
-        sender = make_transport(staging=FakeDevice().staging(), checksum=True)
-        rogue = make_transport(progress=slow(0.02))
-        honest = make_transport(staging=FakeDevice().staging(), device="cpu")
-        want = state()
-        sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
-        head = threading.Thread(target=_receive, args=(rogue, sender))
-        head.start()
-        deadline = time.monotonic() + 20
-        while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
-            time.sleep(0.005)
-        with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
-            got = honest.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
-        head.join(30)
-        assert same(got, want)
-        if any(rogue.metadata() in r.getMessage() for r in caplog.records):
-            return
-    raise AssertionError("the honest receive never met the rogue in 3 heals")
+    _heal_until_named(make_transport, caplog, lambda stats: None, through_device=True, device="cpu")
 
 
 def test_a_relay_that_serves_nothing_costs_one_quiet_bound(
