@@ -9,7 +9,7 @@ from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.serve.actions import SendHeader
 from zmqtransport.serve.scheduler import Scheduler
 from zmqtransport.serve.staged import Staged
-from zmqtransport.serve.uplink import IDLE_GAP, MIN_BYTES, SWARM_BELOW, LinkReading, Uplink
+from zmqtransport.serve.uplink import IDLE_GAP, MIN_BYTES, SWARM_PER_RECEIVER, LinkReading, Uplink
 
 from .test_scheduler import STEP, TIMEOUT, credit, fetch, staged
 
@@ -36,8 +36,8 @@ def test_nothing_measured_the_swarm_engages() -> None:
     [
         (400e6 / 8, True),  # a 400 Mbit/s uplink, however many receivers share it
         (2 * 400e6 / 8, True),  # two such NICs
-        (SWARM_BELOW * 0.9, True),
-        (SWARM_BELOW * 1.1, False),
+        (3 * SWARM_PER_RECEIVER * 0.9, True),
+        (3 * SWARM_PER_RECEIVER * 1.1, False),
         (0.8e9, False),  # unshaped: the CPUs, not the uplink, bound the receivers
     ],
 )
@@ -45,7 +45,21 @@ def test_the_swarm_pays_where_the_uplink_carries_less_than_the_bound(rate: float
     uplink = Uplink()
     feed(uplink, rate, 4 * MIN_BYTES)
     assert uplink.rate == pytest.approx(rate, rel=0.01)
-    assert uplink.swarm_pays() is pays
+    assert uplink.swarm_pays(3) is pays
+
+
+@pytest.mark.parametrize(
+    ("receivers", "pays"),
+    [(0, False), (1, False), (3, False), (6, False), (7, True), (16, True), (64, True)],
+)
+def test_a_fast_uplink_that_many_receivers_share_still_bounds_them(receivers: int, pays: bool) -> None:
+    # 10 Gbit/s: up to six receivers are fed faster than members relay; seven or more each get a share
+    # under what a member carries, and a swarm pays (docs/sim.md, "Fast uplinks and many receivers").
+    uplink = Uplink()
+    feed(uplink, 1.25e9, 4 * MIN_BYTES)
+    assert uplink.rate == pytest.approx(1.25e9, rel=0.01)
+    assert uplink.swarm_pays(receivers) is pays
+    assert uplink.bound(receivers) == max(1, receivers) * SWARM_PER_RECEIVER
 
 
 def test_what_libzmq_takes_at_once_counts_only_once_the_next_request_pays_for_it_in_time() -> None:
@@ -69,7 +83,7 @@ def test_too_little_measured_keeps_the_last_judgement() -> None:
     uplink = Uplink()
     feed(uplink, 1e9, 4 * MIN_BYTES)
     uplink.new_step()  # settles: not link-bound
-    assert uplink.rate is None and uplink.judged is False
+    assert uplink.rate is None and uplink.judged_rate == pytest.approx(1e9, rel=0.01)
     feed(uplink, 1e6, MIN_BYTES // 2)  # the next step, too little so far
     assert not uplink.swarm_pays()
     feed(uplink, 10e6, 2 * MIN_BYTES, 100.0)  # then measured link-bound
@@ -87,7 +101,7 @@ def offer(scheduler: Scheduler, peer: bytes, host: str, xfer: int = 1) -> SendHe
 def test_receivers_that_offer_to_relay_join_a_swarm_only_where_it_pays(link_bound: bool) -> None:
     scheduler = Scheduler(TIMEOUT)
     scheduler.stage(staged(), 1000.0)
-    scheduler.uplink.judged = link_bound  # as a measured step left it
+    scheduler.uplink.judged_rate = 50e6 if link_bound else 1e9  # as a measured step left it
     first = offer(scheduler, b"a", "10.0.0.1")
     second = offer(scheduler, b"b", "10.0.0.2")
     if link_bound:
@@ -100,6 +114,24 @@ def test_receivers_that_offer_to_relay_join_a_swarm_only_where_it_pays(link_boun
         assert first.relay is None and not first.header_only
         assert second.relay is None and not second.header_only
         assert scheduler.swarm.members == []
+
+
+@pytest.mark.parametrize("told", [0, 16])
+def test_the_source_counts_the_receivers_it_was_told_of_or_the_hosts_that_asked(told: int) -> None:
+    # A 10 Gbit/s uplink: a swarm pays from 7 receivers (1.4 GB/s at 200 MB/s each) on.
+    scheduler = Scheduler(TIMEOUT)
+    step = staged()
+    step.receivers = told  # torchft's dst_ranks, as send_checkpoint passes their number
+    scheduler.stage(step, 1000.0)
+    scheduler.uplink.judged_rate = 1.25e9
+    headers = [offer(scheduler, f"r{i}".encode(), f"10.0.0.{i}") for i in range(1, 9)]
+    joined = [header.relay is not None for header in headers]
+    if told:
+        assert joined == [True] * 8
+    else:
+        # The first six are served directly; the seventh host to ask makes it seven, and a swarm pays.
+        assert joined == [False] * 6 + [True] * 2
+        assert [h.header_only for h in headers] == joined
 
 
 def test_the_source_measures_its_steps_by_what_receivers_ask_for() -> None:
@@ -140,14 +172,14 @@ def test_the_kernel_tells_a_link_bound_uplink_from_cpu_bound_receivers_where_the
     shaped, fast = Uplink(), Uplink()
     feed(shaped, 48e6, 4 * MIN_BYTES)
     feed(fast, 114e6, 4 * MIN_BYTES)  # what the cadence measured of such a swarm: under the bound
-    assert fast.cadence_rate is not None and fast.cadence_rate < SWARM_BELOW
+    assert fast.cadence_rate is not None and fast.cadence_rate < SWARM_PER_RECEIVER
     read_links(shaped, 10, SHAPED)
     read_links(fast, 10, UNSHAPED_LOADED)
     # Connections that share the uplink at once each see their share: summed, they give the uplink's rate.
     assert shaped.link_rate == pytest.approx(49e6)
-    assert shaped.swarm_pays()
+    assert shaped.swarm_pays(3)
     assert fast.link_rate == pytest.approx(2.9e9)
-    assert not fast.swarm_pays()
+    assert not fast.swarm_pays(3)
 
 
 def test_flights_too_small_to_fill_the_path_say_nothing_of_it() -> None:
@@ -192,7 +224,7 @@ def test_too_few_readings_or_bytes_keep_the_last_judgement_and_a_new_step_measur
     uplink = Uplink()
     read_links(uplink, 10, SHAPED)
     uplink.new_step()
-    assert uplink.judged is True and uplink.measured[0] == pytest.approx(49e6)
+    assert uplink.judged_rate == pytest.approx(49e6) and uplink.measured[0] == pytest.approx(49e6)
     assert uplink.link_rates == [] and uplink.link_bytes == 0
     read_links(uplink, 2, [5e9], acked_per_reading=MIN_BYTES)  # enough bytes, too few readings
     assert uplink.link_rate is None and uplink.swarm_pays()

@@ -368,6 +368,8 @@ class ZMQTransport(CheckpointTransport[T]):
         :meth:`disallow_checkpoint` returns. Raises ``TypeError`` naming the key
         path of any leaf that cannot be sent. ``timeout`` bounds nothing here
         (staging does not wait on a peer); ``None`` is accepted, as on receive.
+        Of ``dst_ranks`` only their number counts: whether receivers that offer
+        to relay form a swarm depends on how many share this side's uplink.
         """
         self._check_open()
         with paused_gc():  # many tensors, no cycles: see gcpause
@@ -379,6 +381,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 pack_below=self._pack_below,
                 checksum=self._checksum,
                 staging=self._staging,
+                receivers=len(dst_ranks),
             )
         self._server.stage(staged)
 

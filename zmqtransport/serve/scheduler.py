@@ -17,7 +17,7 @@ messages no receiver has yet first).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .. import digests, wire
 from .. import relayed as shared_relaying
@@ -40,6 +40,16 @@ IDLE_WAKEUP = 1.0
 # for it (the receive registers it as soon as it has parsed the header).
 RELAY_REGISTER_GRACE = 2.0
 REPARKED_RETRY = 0.02
+
+
+def receivers(address: str, staged: Staged, transfers: Iterable[Transfer], swarm: Swarm) -> int:
+    """How many receive ``staged``: as many as its sender said, or if more, the hosts that have asked for it so
+    far (``address``, the asker's, among them; a receive striped over several connections is one)."""
+    hosts = {address}
+    hosts.update(t.address for t in transfers if t.staged is staged)
+    for _, addresses in swarm.offers.values():
+        hosts.update(addresses)
+    return max(staged.receivers, len(hosts))
 
 
 class Scheduler:
@@ -306,7 +316,7 @@ class Scheduler:
         if (
             request.relay is not None
             and (self.relay_loopback or not self.is_local(address))
-            and self.uplink.swarm_pays()
+            and self.uplink.swarm_pays(receivers(address, staged, self.transfers.values(), self.swarm))
         ):
             order = self.swarm.offer(peer, request.relay, address, self.make_token(), algorithm)
         # A member that verifies fetches in spans (from this side and the members, as they come): it

@@ -67,6 +67,7 @@ def stage(
     pack_below: int,
     checksum: str | None,
     staging: DeviceStaging,
+    receivers: int = 0,
 ) -> Staged:
     """Encode ``state`` as ``step``: the header, the chunk plan and the memory to send.
 
@@ -74,6 +75,7 @@ def stage(
     raises ``TypeError`` naming the key path of a leaf that cannot be sent, and
     ``ValueError`` for a state receivers would refuse. ``chunk_bytes`` ``None``:
     the frame size follows the state's size (:func:`zmqtransport.wire.frame_bytes`).
+    ``receivers``: how many the caller expects to fetch it (torchft's ``dst_ranks``; 0: not said).
     """
     if type(step) is not int or not 0 <= step <= wire.MAX_STEP:
         raise ValueError(f"step must be an integer in [0, {wire.MAX_STEP}], got {step!r}")
@@ -97,7 +99,9 @@ def stage(
     # CUDA storages are not copied here: the serving thread stages them
     # through pinned buffers; this only notes where the caller's stream is.
     device_plan = prepare_send(encoded, plan, staging)
-    return Staged(step, header.body(), encoded, plan, checksum, [None] * len(plan), device_plan=device_plan)
+    return Staged(
+        step, header.body(), encoded, plan, checksum, [None] * len(plan), device_plan=device_plan, receivers=receivers
+    )
 
 
 @dataclass
@@ -111,6 +115,9 @@ class Staged:
     checksum: str | None
     crcs: list[int | None] = field(default_factory=list)
     device_plan: SendPlan | None = None  # device memory to stage (None: host memory only)
+    # Receivers the caller said would fetch it (torchft's dst_ranks; 0: not said): whether a swarm pays
+    # depends on how many share the uplink (serve.uplink).
+    receivers: int = 0
     # Names this staging in span fetches: a span asked of an earlier staging of
     # the same step (re-staged in between, maybe with other bytes) is refused.
     stage_id: int = field(default_factory=lambda: random.getrandbits(63))

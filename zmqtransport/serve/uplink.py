@@ -18,9 +18,13 @@ between sends: libzmq takes a span or a credit window far faster than any
 link carries it, and the requests follow the link. The bytes counted are
 those sent between two requests, in the time between them (what was sent
 after the latest one has not been paid for in time yet); gaps over
-:data:`IDLE_GAP` (nobody asking) count neither. Below :data:`SWARM_BELOW`
-the uplink bounds its receivers and the swarm engages; from it, every
-receiver is served directly.
+:data:`IDLE_GAP` (nobody asking) count neither. The uplink bounds its
+receivers, and the swarm engages, where it carries less than
+:data:`SWARM_PER_RECEIVER` per receiver of the step (as many as the caller
+said would fetch it, or the hosts that asked, if more): served directly, each
+would get its share of the uplink, and a member on a core of its own relays
+faster than that share, however fast the link (docs/sim.md, "Fast uplinks and
+many receivers"). From that rate on, every receiver is served directly.
 The judgement is the step's own once it has :data:`MIN_BYTES` over
 :data:`MIN_SECONDS`, otherwise the last such step's, otherwise (nothing
 measured yet) the swarm engages: where the uplink is slow it matters most.
@@ -57,16 +61,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-# Bytes per second of the source's uplink, all receivers together, from which it
-# feeds receivers directly: 1.2 Gbit/s. Measured in the lab: a shaped uplink
-# carries at most 50 MB/s (400 Mbit/s; 100 with two NICs), an unshaped one
-# 0.8-2.3 GB/s to one receiver or to three direct ones. A step sent to a swarm
-# is measured at the swarm's rate, which the CPUs bound where the link does
-# not: 230 MB/s for three receivers of 256 MiB on a quiet machine, but
-# 70-140 MB/s with small steps or a loaded machine, below the bound: then the
-# swarm stays (docs/fast-links.md). Per receiver, what a swarm member costs
-# (2-2.5 CPU-s/GiB) at this rate is a third of a core.
-SWARM_BELOW = 150_000_000
+# Bytes per second of the source's uplink per receiver of the step from which it feeds
+# them directly: 200 MB/s (1.6 Gbit/s) each, so 0.6 GB/s for three, 3.2 GB/s for 16.
+# Served directly, N receivers share the uplink: on a 10 Gbit/s link a heal of 16
+# takes 16 times one receive's ideal (the model: 16.6x). A member relaying on a core
+# of its own carries 240-470 MB/s in the model (sim/model.py's CPU figures, from 64
+# members down to 3), so a swarm there takes 3.3x (docs/sim.md, "Fast uplinks and
+# many receivers"); half the lower figure keeps a margin for busier CPUs. Measured in
+# the lab: a shaped uplink carries at most 50 MB/s (400 Mbit/s; 100 with two NICs),
+# so it always bounds; an unshaped one 0.8-2.3 GB/s to one receiver or to three
+# direct ones, where on this two-core VM, its cores shared by every process, a swarm
+# of three was 2.0-2.3x slower than direct (docs/fast-links.md): three stay direct.
+# Until 2026-12-05 the bound was 150 MB/s whatever the number of receivers (then a
+# heal of 64 over 10 Gbit/s links, once a step had been measured, went direct: 69x
+# the ideal in the model, against 5.1x as a swarm).
+SWARM_PER_RECEIVER = 200_000_000
 # A silence between requests longer than this (seconds) is idle time, not transfer time (and what
 # was sent meanwhile is not counted either). Above the time a credit batch of a direct receive (8 MiB)
 # takes at 100 Mbit/s.
@@ -94,8 +103,8 @@ class LinkReading:
 class Uplink:
     """The rate the source's uplink carries its step at: this step's, and the last believed judgement."""
 
-    def __init__(self, swarm_below: float | None = None) -> None:
-        self.swarm_below = SWARM_BELOW if swarm_below is None else swarm_below
+    def __init__(self, per_receiver: float | None = None) -> None:
+        self.per_receiver = SWARM_PER_RECEIVER if per_receiver is None else per_receiver
         self.sent_bytes = 0  # of this step, handed to libzmq
         self.bytes = 0  # of those, sent before the latest request
         self.seconds = 0.0  # between requests
@@ -104,7 +113,7 @@ class Uplink:
         self.link_bytes = 0  # of this step, acknowledged, as the kernel counts
         self.link_rates: list[float] = []  # per reading of this step: the sum of the moving connections' rates
         self._links: dict[int, LinkReading] = {}  # the latest reading per connection, of this step
-        self.judged: bool | None = None  # the last believed judgement: whether a swarm pays
+        self.judged_rate: float | None = None  # the rate of the last step measured enough to believe
         self.measured: tuple[float | None, float | None] = (None, None)  # the last step's (link, cadence) rates
 
     def new_step(self) -> None:
@@ -170,12 +179,16 @@ class Uplink:
         link = self.link_rate
         return link if link is not None else self.cadence_rate
 
-    def swarm_pays(self) -> bool:
-        """Whether receivers that offer to relay should form a swarm."""
+    def bound(self, receivers: int) -> float:
+        """The rate below which the uplink bounds ``receivers`` receivers of one step (bytes/s)."""
+        return max(1, receivers) * self.per_receiver
+
+    def swarm_pays(self, receivers: int = 1) -> bool:
+        """Whether receivers that offer to relay should form a swarm, ``receivers`` fetching the step."""
         self._settle()
-        return True if self.judged is None else self.judged
+        return self.judged_rate is None or self.judged_rate < self.bound(receivers)
 
     def _settle(self) -> None:
         rate = self.rate
         if rate is not None:
-            self.judged = rate < self.swarm_below
+            self.judged_rate = rate

@@ -67,6 +67,7 @@ def simulate(
     lead: dict[int, float] | None = None,
     tbf: bool = False,
     chunk_bytes: int | None = None,
+    measured_mbit: float | None = None,
 ) -> dict[str, Any]:
     """One job start: a source and ``receivers`` receivers starting together. Returns the figures.
 
@@ -80,6 +81,10 @@ def simulate(
     row's ``own_seconds`` is its time from its own start, as the lab's receivers time themselves. ``tbf``:
     every link is one of the lab's tbf-shaped veths, which cost the kernel CPU per byte (sim/model.py).
     ``chunk_bytes``: the source's option of that name (None: unset, the frame follows the state's size).
+    ``measured_mbit``: the source measured its uplink at that rate on a step before (a heal after the job's
+    first step; ``serve.uplink``), so it judges whether a swarm pays for these receivers; None: nothing
+    measured yet (a job start), the swarm engages. The source is told how many receive (torchft's
+    ``dst_ranks``).
     """
     rng = random.Random(seed)  # noqa: S311 (a model's draws, reproducible by seed; nothing secret)
     loop, started, cpu_started = Loop(), time.monotonic(), time.process_time()
@@ -90,6 +95,7 @@ def simulate(
         return pool if pool is not None else model.Cores(cores)
 
     staged = staged_state(mib, chunk_bytes)
+    staged.receivers = receivers
     state_bytes = wire.plan_bytes(staged.plan)
     source_host = host("10.0.0.1", rate_mbit, latency, cores_for(), tbf)
     limits = Limits() if source_transfers is None else Limits(transfers=source_transfers)
@@ -98,6 +104,8 @@ def simulate(
     scheduler = Scheduler(
         TIMEOUT, STALL, limits, make_token=lambda: tokens.randbytes(wire.RELAY_TOKEN_BYTES), is_local=lambda _: False
     )
+    if measured_mbit is not None:
+        scheduler.uplink.judged_rate = measured_mbit * 1e6 / 8
     source = Server(net, source_host, scheduler, staged)
     order = list(range(receivers))
     rng.shuffle(order)  # who is slow, who dies, who lies: drawn by the seed
@@ -143,6 +151,7 @@ def simulate(
             "killed": out.killed,
             "liar": i in lying,
             "failed": out.failed,
+            "member": out.member,
             "from_source": sum(1 for s in out.sources.values() if s == source_host.name),
             "cpu_s": round(member.host.cpu, 4),
         })
@@ -165,6 +174,7 @@ def simulate(
         "source_control_per_receiver": round(c.source_control / receivers, 2),
         "control_by_kind_per_receiver": {k: round(v / receivers, 2) for k, v in sorted(c.by_kind.items())},
         "completed": sum(1 for r in rows if r["bit_exact"]),
+        "members": sum(1 for r in rows if r["member"]),
         "survivors": len(survivors),
         "failed": sum(1 for r in rows if r["failed"]),
         "duplicates": c.duplicates,
@@ -204,6 +214,9 @@ def main(argv: Sequence[str] | None = None, plot: PlotCommand | None = None) -> 
                         help="links are the lab's tbf-shaped veths, whose kernel costs CPU per byte (sim/model.py)")
     parser.add_argument("--chunk-kib", type=int, default=None,
                         help="the source's chunk_bytes option, in KiB (default: unset, wire.frame_bytes decides)")
+    parser.add_argument("--measured-mbit", type=float, default=None,
+                        help="the source measured its uplink at this rate on a step before, and judges whether "
+                             "a swarm pays (default: nothing measured, a job start: the swarm engages)")
     parser.add_argument("--json", action="store_true", help="the per-receiver rows too, before the summary")
     parser.add_argument("--verbose", action="store_true", help="the planners' log (peers dropped and why)")
     parser.add_argument("--plot", type=Path, metavar="PATH",
@@ -225,7 +238,8 @@ def main(argv: Sequence[str] | None = None, plot: PlotCommand | None = None) -> 
     result = simulate(args.receivers, args.mib, args.rate_mbit, args.mixed, args.kill, args.liars, args.seed,
                       args.latency_ms / 1000, args.cores, args.shared_cores, not args.no_relay,
                       args.source_transfers, tbf=args.tbf,
-                      chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024)
+                      chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
+                      measured_mbit=args.measured_mbit)
     rows = result.pop("per_receiver")
     if args.json:
         for row in rows:

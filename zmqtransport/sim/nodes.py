@@ -304,6 +304,7 @@ class Outcome:
     landed: dict[int, bytes] = field(default_factory=dict)  # what landed where, as the model tracks it
     sources: dict[int, str] = field(default_factory=dict)  # from whom each message came
     killed: bool = False
+    member: bool = False  # the source made it a swarm member (else it served it directly)
 
 
 class Member:
@@ -358,6 +359,7 @@ class Member:
         terms = SpanTerms(STEP, reply.stage, False, TIMEOUT, STALL, algorithm)
         swarm, offset = None, 0
         known: tuple[wire.Peer, ...] = ()
+        self.outcome.member = order is not None
         if order is not None and algorithm is not None:
             known = order.peers
             swarm = Swarm(order.token, known)
