@@ -67,7 +67,8 @@ from dataclasses import dataclass
 # takes 16 times one receive's ideal (the model: 16.6x). A member relaying on a core
 # of its own carries 240-470 MB/s in the model (sim/model.py's CPU figures, from 64
 # members down to 3), so a swarm there takes 3.3x (docs/sim.md, "Fast uplinks and
-# many receivers"); half the lower figure keeps a margin for busier CPUs. Measured in
+# many receivers"); staying below those rates keeps a margin for busier CPUs (the
+# model ran 22-45% faster than the lab's unshaped runs). Measured in
 # the lab: a shaped uplink carries at most 50 MB/s (400 Mbit/s; 100 with two NICs),
 # so it always bounds; an unshaped one 0.8-2.3 GB/s to one receiver or to three
 # direct ones, where on this two-core VM, its cores shared by every process, a swarm
