@@ -35,6 +35,20 @@ def test_without_relaying_the_source_sends_the_state_to_each_receiver() -> None:
     assert result["upload_over_state"] == pytest.approx(3.0, rel=0.01)
 
 
+def test_a_source_that_measured_a_fast_uplink_makes_members_only_of_receivers_too_many_for_it() -> None:
+    # 10 Gbit/s (1.25 GB/s) against 200 MB/s per receiver (serve/uplink.py): three are served directly,
+    # eight form a swarm, and it beats the direct path the old bound (150 MB/s, any number) chose.
+    three = simulate(3, mib=16, rate_mbit=10_000, measured_mbit=10_000)
+    eight = simulate(8, mib=16, rate_mbit=10_000, measured_mbit=10_000)
+    direct = simulate(8, mib=16, rate_mbit=10_000, relay=False)
+    assert three["members"] == 0 and three["upload_over_state"] == pytest.approx(3.0, abs=0.01)
+    assert eight["members"] == 8 and eight["completed"] == 8
+    assert eight["upload_over_state"] < direct["upload_over_state"] / 2  # 2.4 states of 16 MiB, against 8
+    assert eight["slowest_over_ideal"] < direct["slowest_over_ideal"] / 1.5
+    # At 400 Mbit/s the uplink bounds any number: a measure changes nothing.
+    assert simulate(3, mib=16, measured_mbit=400)["members"] == 3
+
+
 def test_one_receiver_takes_about_the_ideal_time() -> None:
     result = simulate(1, **SMALL)
     assert result["completed"] == 1
