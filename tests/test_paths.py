@@ -29,7 +29,7 @@ from zmqtransport.net import ADVERTISE_ENV, Path, PeerAddress, advertised_paths,
 from zmqtransport.serve.router import Router
 
 from .conftest import assert_same, lab_python
-from .test_failfast import NOT_LOCAL, call_bounded, expect_error, new_context, nothing_left  # noqa: F401
+from .test_failfast import NOT_LOCAL, _wait_for, call_bounded, expect_error, new_context, nothing_left  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -352,7 +352,9 @@ def test_the_preferred_path_is_used_when_every_path_connects(make_transport: Cal
         assert_same(sink.recv_checkpoint(0, source.metadata(), 3, TIMEOUT), sent)
         assert sink.last_recv_stats is not None
         assert sink.last_recv_stats.peer == f"tcp://{LOOPBACK_2}:{source.address.port}"
-    # One transfer served per receive: the other DEALERs were closed without a request.
+    # One transfer served per receive: the other DEALERs were closed without a request. The source records
+    # a transfer once its serving thread has finished it, which can come just after the receive returns.
+    _wait_for(lambda: len(source.sent_since(0)[1]) >= 3, 5.0)
     assert len(source.sent_since(0)[1]) == 3
 
 
