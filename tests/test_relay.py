@@ -351,6 +351,18 @@ def test_a_fast_uplink_shared_by_as_many_receivers_as_the_source_was_told_forms_
     assert [r.last_recv_stats.path for r in receivers] == ["swarm"] * 3
 
 
+def test_send_checkpoint_takes_dst_ranks_of_any_kind_and_counts_them_where_it_can(make_transport: Any) -> None:
+    sender = make_transport()
+    receiver = make_transport()
+    want = state()
+    # torchft passes a list; only their number counts (whether a swarm pays), and what has none counts as
+    # not said (0) rather than failing the send.
+    for step, ranks, counted in ((1, [1, 2, 3], 3), (2, (r for r in [1]), 0), (3, [], 0)):
+        sender.send_checkpoint(ranks, step, want, TIMEOUT)
+        assert same(receiver.recv_checkpoint(0, sender.metadata(), step, TIMEOUT), want)
+        assert sender._server._scheduler.staged.receivers == counted  # staged before it was served
+
+
 def test_a_lone_receiver_takes_the_direct_path_once_the_source_is_measured_fast(
     make_transport: Any, monkeypatch: pytest.MonkeyPatch, quick_uplink: None
 ) -> None:

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -381,7 +381,7 @@ class ZMQTransport(CheckpointTransport[T]):
                 pack_below=self._pack_below,
                 checksum=self._checksum,
                 staging=self._staging,
-                receivers=len(dst_ranks),
+                receivers=len(dst_ranks) if isinstance(dst_ranks, Sized) else 0,
             )
         self._server.stage(staged)
 
