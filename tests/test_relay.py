@@ -335,7 +335,6 @@ def test_a_fast_uplink_shared_by_as_many_receivers_as_the_source_was_told_forms_
     # Any measured rate is over one receiver's bound, but under three receivers': loopback's rate is the
     # CPU's, and varies (a bound between 1 and 3 GB/s is not for a test to pin). The three the third
     # send_checkpoint names form a swarm, where one receiver, measured fast, was served directly.
-    monkeypatch.setattr(uplink, "SWARM_PER_RECEIVER", 1.0)
     monkeypatch.setattr(uplink.Uplink, "bound", lambda self, receivers: 1.0 if receivers < 3 else float("inf"))
     sender = make_transport(checksum=True)
     receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]

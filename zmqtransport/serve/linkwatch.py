@@ -109,10 +109,10 @@ class LinkWatch:
             self._step, self._watched = scheduler.staged, {}
             link, cadence = scheduler.uplink.measured
             if link is not None or cadence is not None:
-                receivers = max(1, scheduler.staged.receivers)
-                bound = _rate(scheduler.uplink.bound(receivers))
-                message = "the uplink carried the last step at %s (kernel), %s (requests): a swarm pays below %s for %d"
-                logger.debug(message, _rate(link), _rate(cadence), bound, receivers)
+                said = scheduler.staged.receivers
+                bound = _rate(scheduler.uplink.bound(said))
+                message = "the uplink carried the last step at %s (kernel), %s (requests): a swarm below %s (%d named)"
+                logger.debug(message, _rate(link), _rate(cadence), bound, said)
         fresh = False  # a receiver new to the watch is read at once: its first reading is its baseline
         for transfer in scheduler.transfers.values():
             if isinstance(transfer.staged, Staged):  # the staged step's, not a relayed one's
