@@ -67,13 +67,15 @@ def uploaded(sender: ZMQTransport[Any]) -> int:
     return sender.sent_bytes
 
 
-def fetch_all(receivers: list[ZMQTransport[Any]], metadata: str, step: int, stagger: float = 0.0) -> list[Any]:
+def fetch_all(
+    receivers: list[ZMQTransport[Any]], metadata: str, step: int, stagger: float = 0.0, timeout: timedelta = TIMEOUT
+) -> list[Any]:
     results: list[Any] = [None] * len(receivers)
 
     def run(i: int) -> None:
         time.sleep(i * stagger)
         try:
-            results[i] = receivers[i].recv_checkpoint(0, metadata, step, TIMEOUT)
+            results[i] = receivers[i].recv_checkpoint(0, metadata, step, timeout)
         except Exception as exc:  # reported by the test
             results[i] = exc
 
@@ -81,7 +83,7 @@ def fetch_all(receivers: list[ZMQTransport[Any]], metadata: str, step: int, stag
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(TIMEOUT.total_seconds() + 10)
+        thread.join(timeout.total_seconds() + 10)
     return results
 
 

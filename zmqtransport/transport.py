@@ -30,6 +30,7 @@ from .contract import CheckpointTransport, register_with_torchft
 from .device import DeviceStaging, fresh_device
 from .fetch import FetchOptions, ProgressCallback, Published, RelayOffer, fetch, fetch_digests, fetch_header
 from .fetch.options import VERIFY_CHOICES
+from .fetch.relaying import AfterReturn
 from .fetch.streams import Configure
 from .gcpause import paused_gc
 from .net import PeerAddress, advertised_hosts, parse_metadata, paths_with_ports, split_hosts
@@ -173,7 +174,22 @@ class ZMQTransport(CheckpointTransport[T]):
             receives, and ``recv_checkpoint`` returns at most
             ``zmqtransport.fetch.relaying.RELAY_TAIL`` (10 ms) after its own
             data is complete, never serving from the received memory after
-            it returns. ``False``: never relay, and fetch from the source only.
+            it returns, except as ``relay_after_return`` says. ``False``:
+            never relay, and fetch from the source only.
+        relay_after_return: a member whose receive was fresh (not in place)
+            into host memory goes on serving the others from it after
+            ``recv_checkpoint`` returns, until this transport's next
+            ``disallow_checkpoint`` (torchft calls it in ``should_commit``,
+            once the step's collectives, which wait for every healing
+            replica, are done), send, receive or ``shutdown``, or the
+            receive's own timeout, whichever comes first. The received
+            memory stays allocated until then, and the caller should not
+            change the returned tensors before: every downstream checks what
+            it is sent against the source's digests, so a change costs the
+            others time, never a wrong byte. The late members (slower links)
+            then fetch from those done, not the source (docs/protocol.md,
+            "Stopping"). ``False``: stop before returning, as a receive in
+            place always does.
         verify: which received bytes are checked against the strong digests
             (SHA-256, or BLAKE3 with the ``blake3`` extra on both sides) that
             the source publishes over this receiver's own connection to it
@@ -252,6 +268,7 @@ class ZMQTransport(CheckpointTransport[T]):
         window: int = DEFAULT_WINDOW,
         streams: int | None = None,
         relay: bool = True,
+        relay_after_return: bool = True,
         verify: str = "relayed",
         allow_pickle: bool = False,
         state_dict: Callable[[], T] | None = None,
@@ -271,6 +288,8 @@ class ZMQTransport(CheckpointTransport[T]):
         # Every option is checked before anything is acquired: a bad value costs nothing to undo.
         stall_seconds = _check_options(timeout, stall_timeout, chunk_bytes, pack_below, window, io_threads, port)
         _check_receiving(streams, relay, verify)
+        if type(relay_after_return) is not bool:
+            raise ValueError(f"relay_after_return={relay_after_return!r}: must be True or False")
         if snapshot_bytes is not None and (type(snapshot_bytes) is not int or snapshot_bytes < 0):
             raise ValueError(f"snapshot_bytes={snapshot_bytes!r}: must be None or an integer >= 0")
         if type(send_queue_bytes) is not int or send_queue_bytes < 1:
@@ -290,6 +309,7 @@ class ZMQTransport(CheckpointTransport[T]):
         io_threads = auto_io_threads(available_cores()) if io_threads is None else io_threads
         self._context: zmq.Context[Any] = zmq.Context(io_threads=io_threads)
         self._shutdown_lock, self._shut_down = threading.Lock(), False
+        self._after_return = AfterReturn()  # a finished receive still serving the others
         self._zap: security.ZapHandler | None = None
         params = self._start_server(bind_hosts, port, stall_seconds, (snapshot_bytes, send_queue_bytes))
         first, *more = paths_with_ports(advertised, [port for _, port in self._server.bound])
@@ -306,7 +326,12 @@ class ZMQTransport(CheckpointTransport[T]):
             stall_timeout=stall_seconds,
             streams=streams,
             direct_streams=DIRECT_STREAMS if io_threads > 1 else 1,
-            relay=RelayOffer(self._address.to_metadata(), self._server, self._peer_options) if relay else None,
+            relay=RelayOffer(
+                self._address.to_metadata(),
+                self._server,
+                self._peer_options,
+                self._after_return.hold if relay_after_return else None,
+            ) if relay else None,
             verify=verify,
         )
         self.last_recv_stats: TransferStats | None = None
@@ -372,6 +397,7 @@ class ZMQTransport(CheckpointTransport[T]):
         to relay form a swarm depends on how many share this side's uplink.
         """
         self._check_open()
+        self._after_return.stop()
         with paused_gc():  # many tensors, no cycles: see gcpause
             staged = stage(
                 state_dict,
@@ -396,6 +422,7 @@ class ZMQTransport(CheckpointTransport[T]):
         timeout). :attr:`last_disallow_stats` says what it did.
         """
         if not self._shut_down:
+            self._after_return.stop()  # a receive's relaying after it returned, too (relay_after_return)
             self.last_disallow_stats = self._server.disallow()
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
@@ -408,6 +435,7 @@ class ZMQTransport(CheckpointTransport[T]):
         malformed reply. Never returns partial state.
         """
         self._check_open()
+        self._after_return.stop()
         address = parse_metadata(metadata)
         targets = self._in_place_targets()
         result, stats = fetch(
@@ -518,6 +546,7 @@ class ZMQTransport(CheckpointTransport[T]):
 
     def _close_all(self) -> None:
         """Every wait bounded: a bound that is hit is logged (naming what was left open), never hung on."""
+        self._after_return.stop()
         self._server.stop(wait=True)
         if self._zap is not None:
             self._zap.close()

@@ -17,7 +17,7 @@ from ..codec.skeleton import iter_tensor_leaves
 from ..device import CPU, DeviceStaging
 from ..net import PeerAddress
 from .landing import LandingOptions
-from .relaying import RelayHost
+from .relaying import RelayDuty, RelayHost
 from .streams import Configure
 
 ProgressCallback = Callable[[int, int], None]
@@ -32,6 +32,9 @@ class RelayOffer:
     host: RelayHost  # its transport's server, which serves the relayed step
     # DEALER options for fetching from a relay the source names (its CurveZMQ key, from its metadata).
     options_for: Callable[[PeerAddress], Configure | None]
+    # Takes over a finished fresh receive's relaying, to serve on after it returns (.relaying.AfterReturn.hold:
+    # the duty, the owner of its memory, a deadline); None: stop before returning (``relay_after_return=False``).
+    after_return: Callable[[RelayDuty, object, float], None] | None = None
 
 
 @dataclass(frozen=True)

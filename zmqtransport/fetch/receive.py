@@ -297,7 +297,24 @@ class Receive:
                 unstager.close()
         if self.duty is not None and not self.duty.stopped:
             self.conns.close()  # done with every source: an upstream relay's tail ends now
-            self.duty.finish()
+            if not self.serves_after_return(landed, unstager is not None):
+                self.duty.finish()
+
+    def serves_after_return(self, landed: Landed, on_device: bool) -> bool:
+        """Whether this member goes on serving after the receive returns (:meth:`hand_over`): a fresh
+        receive into host memory, where the transport asked for it (fetch/relaying.py, AfterReturn)."""
+        relay = self.options.relay
+        if relay is None or relay.after_return is None or on_device:
+            return False
+        return all(d.in_place is None for d in landed.destinations)
+
+    def hand_over(self, landed: Landed) -> None:
+        """The object is built: a duty still serving goes to the transport, which stops it later."""
+        relay, duty = self.options.relay, self.duty
+        if duty is None or duty.stopped or relay is None or relay.after_return is None:
+            return
+        relay.after_return(duty, landed, self.deadline)
+        self.duty = None  # close() leaves it serving
 
     def cancel(self) -> None:
         self.conns.first.cancel(wire.cancel_request(self.xfer))  # best effort: the peer may be gone
@@ -377,6 +394,7 @@ def fetch(
             landed = land(plan, options.prefault_threads)
             receive.data_phase(parsed, stripe, landed)
             result = build(parsed, landed)
+            receive.hand_over(landed)
         except BaseException:
             receive.cancel()
             raise

@@ -10,11 +10,15 @@ members so far. So each member:
 * serves the messages it has landed to the others, through its own
   transport's ROUTER (:class:`~zmqtransport.relayed.Relayed`), copies of
   the bytes exactly as they landed, with the source's checksums;
-* stops serving before ``recv_checkpoint`` returns: it keeps serving a short
-  tail (:data:`RELAY_TAIL`) while others still fetch from it, then ends every
-  transfer it still runs (``not_relaying``: they fetch the rest from the
+* once its own data is complete, either goes on serving after
+  ``recv_checkpoint`` returns (:class:`AfterReturn`: a fresh receive into host
+  memory, with the transport's ``relay_after_return``, the default) until the
+  transport's next ``disallow_checkpoint``, send, receive or ``shutdown``, or
+  the receive's own deadline; or stops before it returns: it keeps serving a
+  short tail (:data:`RELAY_TAIL`) while others still fetch from it, then ends
+  every transfer it still runs (``not_relaying``: they fetch the rest from the
   source or another member) and waits until its serving thread no longer
-  reads the received memory. The caller may mutate its tensors at once.
+  reads the received memory, so the caller may mutate its tensors at once.
 
 A receive that lands any storage in device memory does not relay: its
 downstream is refused (``not_relaying``) and fetches from the source.
@@ -22,7 +26,9 @@ downstream is refused (``not_relaying``) and fetches from the source.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -115,3 +121,67 @@ class RelayDuty:
         # to the source at once rather than after its own bounds.
         if not self.host.stop_relay(self.relayed.token, STOP_BOUND):
             logger.warning("zmqtransport: the serving thread did not end the relay's transfers in %.1f s", STOP_BOUND)
+
+
+class AfterReturn:
+    """The finished receive that goes on serving the others after ``recv_checkpoint`` returned.
+
+    Why: in a swarm the members that finish first are the ones the late ones
+    fetch from. A member that stops as it returns leaves the late (a slower
+    link) to the source, which then uploads their part again: in the model,
+    64 receivers with a quarter on slower links took the source 2.6 states
+    against 1.4 with members serving on (docs/sim.md, "Serving after the
+    receive returns"). torchft calls ``disallow_checkpoint`` on every replica
+    in ``should_commit``, after the step's collectives, which wait for every
+    healing replica: a member serving until then holds no one back.
+
+    Only a fresh receive into host memory serves on (the memory is the
+    receive's own, kept alive here whatever the caller drops); a receive in
+    place does not (the caller's tensors may change under it at once). What it
+    serves is checked by every downstream against the source's digests, so a
+    caller that changes the returned tensors before ``disallow_checkpoint``
+    costs the others time (they drop it), never a wrong byte.
+
+    Threading: :meth:`hold` runs on the receiving thread, :meth:`stop` on any
+    (the transport's calls, the deadline's timer). At most one is held: a new
+    one stops the last.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._duty: RelayDuty | None = None
+        self._keep: object = None  # the received memory's owner (fetch.landed.Landed)
+        self._timer: threading.Timer | None = None
+
+    @property
+    def duty(self) -> RelayDuty | None:
+        return self._duty
+
+    def hold(self, duty: RelayDuty, keep: object, until: float) -> None:
+        """Serve ``duty`` on, from memory that ``keep`` owns, at most until ``until`` (time.monotonic())."""
+        self.stop()
+        timer = threading.Timer(max(0.0, until - time.monotonic()), functools.partial(self._expire, duty))
+        timer.daemon = True
+        timer.name = "zmqtransport-relay-deadline"
+        with self._lock:
+            self._duty, self._keep, self._timer = duty, keep, timer
+        timer.start()
+
+    def stop(self, only: RelayDuty | None = None) -> None:
+        """Stop serving (``only``: if that one is still held); once this returns nothing reads the memory,
+        and it is released here."""
+        with self._lock:
+            if only is not None and self._duty is not only:
+                return
+            duty, keep, timer = self._duty, self._keep, self._timer
+            self._duty, self._keep, self._timer = None, None, None
+        if timer is not None:
+            timer.cancel()
+        if duty is not None:
+            duty.stop()
+        del keep  # only now: the serving thread may have been copying from it until duty.stop() returned
+
+    def _expire(self, duty: RelayDuty) -> None:
+        if self._duty is duty:
+            logger.debug("zmqtransport: a relay that served after its receive returned reached its deadline")
+        self.stop(only=duty)
