@@ -68,6 +68,7 @@ def simulate(
     tbf: bool = False,
     chunk_bytes: int | None = None,
     measured_mbit: float | None = None,
+    after_return: bool = True,
 ) -> dict[str, Any]:
     """One job start: a source and ``receivers`` receivers starting together. Returns the figures.
 
@@ -84,7 +85,8 @@ def simulate(
     ``measured_mbit``: the source measured its uplink at that rate on a step before (a heal after the job's
     first step; ``serve.uplink``), so it judges whether a swarm pays for these receivers; None: nothing
     measured yet (a job start), the swarm engages. The source is told how many receive (torchft's
-    ``dst_ranks``).
+    ``dst_ranks``). ``after_return``: the receivers' ``relay_after_return`` (a member that is done serves the
+    others until every receive has ended: torchft's ``disallow_checkpoint``); False: a short tail, then not.
     """
     rng = random.Random(seed)  # noqa: S311 (a model's draws, reproducible by seed; nothing secret)
     loop, started, cpu_started = Loop(), time.monotonic(), time.process_time()
@@ -127,7 +129,7 @@ def simulate(
         if relay:
             server = Server(net, h, Scheduler(TIMEOUT, STALL, is_local=lambda _: False), None, liar=i in lying)
             directory[name] = server
-        members.append(Member(net, h, source, directory, server, kill_at=kill_at if i in killed else None))
+        members.append(Member(net, h, source, directory, server, kill_at if i in killed else None, after_return))
     starts: list[float] = []
     for i, member in enumerate(members):
         member.others = members
@@ -217,6 +219,8 @@ def main(argv: Sequence[str] | None = None, plot: PlotCommand | None = None) -> 
     parser.add_argument("--measured-mbit", type=float, default=None,
                         help="the source measured its uplink at this rate on a step before, and judges whether "
                              "a swarm pays (default: nothing measured, a job start: the swarm engages)")
+    parser.add_argument("--no-after-return", action="store_true",
+                        help="relay_after_return=False: a member stops serving as its receive returns")
     parser.add_argument("--json", action="store_true", help="the per-receiver rows too, before the summary")
     parser.add_argument("--verbose", action="store_true", help="the planners' log (peers dropped and why)")
     parser.add_argument("--plot", type=Path, metavar="PATH",
@@ -239,7 +243,7 @@ def main(argv: Sequence[str] | None = None, plot: PlotCommand | None = None) -> 
                       args.latency_ms / 1000, args.cores, args.shared_cores, not args.no_relay,
                       args.source_transfers, tbf=args.tbf,
                       chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
-                      measured_mbit=args.measured_mbit)
+                      measured_mbit=args.measured_mbit, after_return=not args.no_after_return)
     rows = result.pop("per_receiver")
     if args.json:
         for row in rows:

@@ -140,6 +140,7 @@ class Server:
     def __init__(self, net: Net, host: model.Host, scheduler: Scheduler, staged: Staged | None,
                  liar: bool = False) -> None:
         self.net, self.host, self.scheduler, self.liar = net, host, scheduler, liar
+        self.lie_messages = 0  # a liar's: the messages of the step it claims to hold (once it knows them)
         self.staged = staged
         self.conns: dict[bytes, Conn] = {}
         self.hashed: set[int] = set()  # messages the source hashed (once per staging)
@@ -163,9 +164,12 @@ class Server:
         self.conns[conn.rid] = conn
         request = wire.decode_request(frame)
         relaying = list(self.scheduler.relaying.steps.values())
-        if self.liar and request.token is not None and relaying:
+        if self.liar and relaying:
+            self.lie_messages = len(relaying[0].plan)
+        # A liar is modified code: it lies on after its own receive has ended, whatever the honest ones do then.
+        if self.liar and request.token is not None and self.lie_messages:
             if request.op == wire.OP_HAVE:  # claims everything, delivers nothing (a span fetch is never served)
-                messages = len(relaying[0].plan)
+                messages = self.lie_messages
                 self.reply(conn, wire.have_reply(request.xfer, (1 << messages) - 1, messages), 0)
             return
         self.execute(self.scheduler.on_request(conn.rid, request, conn.member.host.name, now))
@@ -311,9 +315,12 @@ class Member:
     """A receiver: the header phase, then the real planner's striped receive; relays what lands."""
 
     def __init__(self, net: Net, host: model.Host, source: Server, directory: dict[str, Server],
-                 relay: Server | None, kill_at: float | None = None) -> None:
+                 relay: Server | None, kill_at: float | None = None, after_return: bool = True) -> None:
         self.net, self.host, self.source, self.directory, self.relay = net, host, source, directory, relay
         self.kill_at = kill_at  # the fraction of its messages after which it dies (None: never)
+        # The transport's relay_after_return (a fresh receive, as every modelled one): once complete it serves
+        # on until the run's end, as until torchft's disallow_checkpoint, which follows every healing replica.
+        self.after_return = after_return
         self.outcome = Outcome()
         # Transfer ids as the real receive makes them (random 63-bit, planner.ReceivePlanner), from a draw
         # of this host's own: their wire size is the real one, and does not grow with how many were made.
@@ -557,7 +564,7 @@ class Member:
         self.outcome.done_at = now
         for conn in self.conns:
             self._close(conn)
-        if self.relay is not None and self.relayed is not None:
+        if self.relay is not None and self.relayed is not None and not self.after_return:
             relay, relayed = self.relay, self.relayed
 
             def stop() -> None:  # fetch/relaying.RelayDuty.finish: a bounded tail, then stop

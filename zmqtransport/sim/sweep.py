@@ -25,7 +25,8 @@ def plot_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     points = []
     for n in counts:
         result = simulate(n, args.mib, args.rate_mbit, False, 0.0, 0, args.seed, args.latency_ms / 1000, args.cores,
-                          args.shared_cores, not args.no_relay, args.source_transfers, tbf=args.tbf)
+                          args.shared_cores, not args.no_relay, args.source_transfers, tbf=args.tbf,
+                          after_return=not args.no_after_return)
         result.pop("per_receiver")
         points.append(result)
         print(json.dumps(result), flush=True)
