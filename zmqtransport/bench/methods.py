@@ -611,6 +611,8 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-inplace-1s", into_targets=True, streams=1),
         ZmqMethod("zmq-inplace-4s", into_targets=True, streams=4),
         ZmqMethod("zmq-norelay", into_targets=False, relay=False),
+        # A member stops serving as its receive returns (before relay_after_return, and as one in place does).
+        ZmqMethod("zmq-fresh-tail", into_targets=False, options=(("relay_after_return", False),)),
         ZmqMethod("zmq-inplace-verify", into_targets=True, verify="all"),
         ZmqMethod("zmq-fresh-verify", into_targets=False, verify="all"),
         # Issue 33: what bounds one connection over a fast link (frames of 4 MiB; two I/O threads on each side).
