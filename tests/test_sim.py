@@ -101,6 +101,16 @@ def test_a_member_that_claims_without_delivering_is_dropped_and_the_others_compl
     assert result["completed"] == 4  # the liar's own receive is honest; only its serving side lies
 
 
+def test_members_that_asked_a_liar_late_drop_it_at_the_other_peers_pace() -> None:
+    # Two liars, which claim every message, send none and lie on after their own receive, among 48
+    # members of 64 MiB. Judged by the source's pace (a message every second or so at 48 members), a
+    # liar asked late held its askers past the 5 s stall bound: the slowest took 2.30x the ideal. Judged
+    # by the other peers' (SpanBook.silent_peer_bound), 1.65x. About 30 s of the simulator's CPU.
+    result = simulate(48, mib=64, liars=2)
+    assert result["completed"] == 48
+    assert result["slowest_over_ideal"] < 1.9
+
+
 def test_slow_links_take_longer_than_fast_ones() -> None:
     # 64 data messages: with 16 (4 MiB) a fast receiver that waits on the slow member for one claimed span
     # waits a large part of its whole receive (the model shows 3-5x its ideal there) and may end after it.

@@ -499,3 +499,34 @@ def test_a_peers_first_message_may_take_as_long_as_the_sources_do_here() -> None
     assert b.assign(source, 3, late) is None  # the source is not asked for what the peer holds
     assert b.next_takeover_at(late) == pytest.approx(0.7 + 4 * 0.6)
     assert b.assign(source, 4, 0.7 + 4 * 0.6 + 0.01) is not None  # silent that long, it is quiet
+
+
+def test_a_peer_that_never_sent_anything_is_judged_by_the_other_peers_not_the_source() -> None:
+    # A member's one-message spans at the source wait their turn among every member's: at 64 members a
+    # source message took 1.3 s, and four of them (the quiet bound of a peer with no pace) passed the stall
+    # bound, so a liar that claims all and sends nothing held each member that asked it late for 5 s.
+    b = SpanBook(40, 1, span=1, depth=1, source_span=1, peer_depth=1)
+    b.connected(0, True)
+    xfer = 1
+    for at in (0.0, 1.5, 3.0):  # the source: a message every 1.5 s
+        span = b.assign(0, xfer, at)
+        assert span is not None
+        b.on_data(xfer, span.first, at + 1.5)
+        b.on_end(xfer)
+        xfer += 1
+    honest = [b.add_stream(peer) for peer in (7, 8, 9)]
+    liar = b.add_stream(10)
+    for stream, peer in zip([*honest, liar], (7, 8, 9, 10), strict=True):
+        b.connected(stream, True)
+        b.holds(peer, bits(*range(40)))
+    for stream in honest:  # each peer: two messages, 0.1 s apart
+        for _ in range(2):
+            span = b.assign(stream, xfer, 5.0)
+            assert span is not None
+            b.on_data(xfer, span.first, 5.1 if _ == 0 else 5.2)
+            b.on_end(xfer)
+            xfer += 1
+    assert b.assign(liar, xfer, 5.2) is not None  # asked, never answers
+    assert b.quiet_after(liar) >= 4 * 1.5  # judged by the source: past a 5 s stall bound
+    assert b.silent_peer_bound(liar) == QUIET_FIRST  # by the peers: 4 x 0.1 s, at least QUIET_FIRST
+    assert b.silent_peer_bound(honest[0]) == b.quiet_after(honest[0])  # one that has sent: its own pace

@@ -781,7 +781,7 @@ class ReceivePlanner:
             silent = silent_for(self.book, index, lane, self.source_heard if self.peers is not None else None, now)
             if (stall := self.terms.stall_timeout) is not None and silent >= stall:
                 actions += self._drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
-            elif lane.token is not None and silent >= quiet_first and silent >= self.book.quiet_after(index):
+            elif lane.token is not None and silent >= quiet_first and silent >= self.book.silent_peer_bound(index):
                 # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
                 actions += self._drop_peer(lane.peer, f"sent nothing for {silent:.2g} s of what it holds")
         for peer in self.book.unbacked(now):  # claims are hints with deadlines (fetch/claims.py)

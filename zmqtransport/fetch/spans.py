@@ -79,6 +79,9 @@ QUIET_MIN = 0.05  # seconds: never sooner (scheduling noise on a busy host)
 # each copy, and a fixed bound dropped every peer in turn and left the source
 # to send the state two to four times.
 QUIET_FIRST = 0.5
+# A peer that has sent nothing yet is judged by the other peers' message time once this many have sent
+# some (SpanBook.silent_peer_bound); before that, by the source's.
+PEERS_TO_JUDGE = 3
 # An idle stream takes over the rest of a busy stream's span when, at the two
 # streams' measured paces, it would deliver that rest this many times sooner.
 FASTER_BY = 2.0
@@ -547,6 +550,26 @@ class SpanBook:
     def quiet_after(self, stream: int) -> float:
         """Seconds of silence after which ``stream``'s spans may be taken over."""
         return self._streams[stream].quiet_after(self._source_time())
+
+    def silent_peer_bound(self, stream: int) -> float:
+        """Seconds of silence after which a peer's ``stream`` is dropped, where nothing else says sooner.
+
+        A peer that has sent this receive nothing yet is judged by what a message takes from the other
+        peers here (the median of :data:`PEERS_TO_JUDGE` or more that have sent some), not from the
+        source: a member's one-message spans at the source wait their turn among every member's, so at 64
+        members four source messages take longer than the stall bound, and a peer that claims what it
+        never sends (a liar) held each receive that asked it that long (docs/sim.md, "Serving after the
+        receive returns"). The other peers serve as many askers in turn as it does.
+        """
+        state = self._streams[stream]
+        if state.messages or state.first_wait is not None or state.peer == SOURCE:
+            return self.quiet_after(stream)
+        times = sorted(
+            s.message_time() for s in self._streams if s.peer != SOURCE and s.data and s.first_wait is not None
+        )
+        if len(times) < PEERS_TO_JUDGE:
+            return self.quiet_after(stream)
+        return max(QUIET_FIRST, QUIET_GAPS * times[len(times) // 2])
 
     def _source_time(self) -> float:
         """Seconds a message takes from the source here: the slowest of its live paths (0: none known)."""
