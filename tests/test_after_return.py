@@ -6,7 +6,7 @@ finishes while another still fetches, as replicas on faster and slower links do.
 
 from __future__ import annotations
 
-import threading
+import functools
 import time
 from datetime import timedelta
 from typing import Any
@@ -17,7 +17,7 @@ import torch
 from zmqtransport import ZMQTransport, relayed
 
 from .conftest import TIMEOUT
-from .test_relay import fetch_all, same, slow, state
+from .test_relay import fetch_all, once_a_member, same, slow, state
 
 
 @pytest.fixture(autouse=True)
@@ -49,13 +49,8 @@ def early_and_late(make_transport: Any, **early_options: Any) -> tuple[ZMQTransp
         results[0] = early.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
         at_return.append(early.sent_bytes)
 
-    first = threading.Thread(target=fetch_early)
-    first.start()
-    deadline = time.monotonic() + 30
-    while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
-        time.sleep(0.005)  # the early one has asked for the header (and joined the swarm)
-    results[1] = late.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
-    first.join(60)
+    fetch_late = functools.partial(late.recv_checkpoint, 0, sender.metadata(), 1, TIMEOUT)
+    results[1] = once_a_member(sender, fetch_early, fetch_late)
     assert same(results[0], want) and same(results[1], want)
     return early, results, at_return[0], early.sent_bytes
 

@@ -7,6 +7,7 @@ tests (tests/test_lab.py) and the benchmark (``--lab``) use real links.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -85,6 +86,19 @@ def fetch_all(
     for thread in threads:
         thread.join(timeout.total_seconds() + 10)
     return results
+
+
+def once_a_member(sender: ZMQTransport[Any], first: Any, then: Any) -> Any:
+    """Run ``first`` in a thread and, once it has joined ``sender``'s swarm (asked for the header), ``then``
+    here; returns what ``then`` returns, once ``first`` is done too."""
+    thread = threading.Thread(target=first)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
+        time.sleep(0.005)
+    result = then()
+    thread.join(60)
+    return result
 
 
 def test_three_receivers_at_once_cost_the_source_about_one_upload(make_transport: Any) -> None:
@@ -207,14 +221,9 @@ def test_relay_memory_is_the_callers_once_its_receive_returns(
             results[0] = relay.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
             mine["w"].fill_(float("nan"))
 
-        first = threading.Thread(target=relay_then_scribble)
         with caplog.at_level(logging.INFO, logger="zmqtransport.fetch"):
-            first.start()
-            deadline = time.monotonic() + 30
-            while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
-                time.sleep(0.01)  # until the relay has asked for the header (and joined the swarm)
-            results[1] = downstream.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
-            first.join(60)
+            fetch = functools.partial(downstream.recv_checkpoint, 0, sender.metadata(), 1, TIMEOUT)
+            results[1] = once_a_member(sender, relay_then_scribble, fetch)
         assert results[0]["w"] is mine["w"]
         assert same(results[1], want)
         assert not [r for r in caplog.records if "checksum mismatch" in r.getMessage()]
