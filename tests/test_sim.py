@@ -101,6 +101,16 @@ def test_a_member_that_claims_without_delivering_is_dropped_and_the_others_compl
     assert result["completed"] == 4  # the liar's own receive is honest; only its serving side lies
 
 
+def test_members_done_first_serve_the_slow_ones_until_every_receive_has_ended() -> None:
+    # relay_after_return: members serve on after their receive, as until torchft's disallow_checkpoint. On
+    # mixed links the quarter-rate members then fetch from the members done first, not the source.
+    on = simulate(16, mib=32, mixed=True)
+    off = simulate(16, mib=32, mixed=True, after_return=False)  # a 10 ms tail, as before
+    assert on["completed"] == off["completed"] == 16
+    assert on["upload_over_state"] < 2.4 < off["upload_over_state"]  # 1.92 against 2.95 states
+    assert on["simulated_s"] < off["simulated_s"]  # the job ends sooner: 3.23 s against 3.71 s
+
+
 def test_members_that_asked_a_liar_late_drop_it_at_the_other_peers_pace() -> None:
     # Two liars, which claim every message, send none and lie on after their own receive, among 48
     # members of 64 MiB. Judged by the source's pace (a message every second or so at 48 members), a
