@@ -216,6 +216,19 @@ class _Streams(list[_Stream]):
         return self._by_peer.get(peer, [])
 
 
+def peers_message_time(streams: list[_Stream]) -> float | None:
+    """What a message takes from the peers here (the median of :data:`PEERS_TO_JUDGE` or more that have sent
+    some; None: fewer have): how a peer that has sent this receive nothing yet is judged for silence.
+
+    Not by the source's time: a member's one-message spans at the source wait their turn among every
+    member's, so at 64 members four source messages outlast the stall bound, and a peer that claims what
+    it never sends (a liar) held each receive that asked it that long (docs/sim.md, "Serving after the
+    receive returns"). The other peers serve as many askers in turn as it does.
+    """
+    times = sorted(s.message_time() for s in streams if s.peer != SOURCE and s.data and s.first_wait is not None)
+    return times[len(times) // 2] if len(times) >= PEERS_TO_JUDGE else None
+
+
 def _peer_pace(streams: list[_Stream], peer: int, now: float, source_time: float) -> float | None:
     """The best measured pace of ``peer``'s live ``streams`` (None: none measured yet; inf: none serving);
     ``source_time`` as for :meth:`_Stream.quiet_after`.
@@ -552,24 +565,10 @@ class SpanBook:
         return self._streams[stream].quiet_after(self._source_time())
 
     def silent_peer_bound(self, stream: int) -> float:
-        """Seconds of silence after which a peer's ``stream`` is dropped, where nothing else says sooner.
-
-        A peer that has sent this receive nothing yet is judged by what a message takes from the other
-        peers here (the median of :data:`PEERS_TO_JUDGE` or more that have sent some), not from the
-        source: a member's one-message spans at the source wait their turn among every member's, so at 64
-        members four source messages take longer than the stall bound, and a peer that claims what it
-        never sends (a liar) held each receive that asked it that long (docs/sim.md, "Serving after the
-        receive returns"). The other peers serve as many askers in turn as it does.
-        """
+        """Seconds of silence after which a peer's ``stream`` is dropped (:func:`peers_message_time`)."""
         state = self._streams[stream]
-        if state.messages or state.first_wait is not None or state.peer == SOURCE:
-            return self.quiet_after(stream)
-        times = sorted(
-            s.message_time() for s in self._streams if s.peer != SOURCE and s.data and s.first_wait is not None
-        )
-        if len(times) < PEERS_TO_JUDGE:
-            return self.quiet_after(stream)
-        return max(QUIET_FIRST, QUIET_GAPS * times[len(times) // 2])
+        typical = None if state.first_wait is not None or state.peer == SOURCE else peers_message_time(self._streams)
+        return self.quiet_after(stream) if typical is None else max(QUIET_FIRST, QUIET_GAPS * typical)
 
     def _source_time(self) -> float:
         """Seconds a message takes from the source here: the slowest of its live paths (0: none known)."""
