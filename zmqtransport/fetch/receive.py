@@ -297,14 +297,15 @@ class Receive:
                 unstager.close()
         if self.duty is not None and not self.duty.stopped:
             self.conns.close()  # done with every source: an upstream relay's tail ends now
-            if not self.serves_after_return(landed, unstager is not None):
+            if not self.serves_after_return(landed):
                 self.duty.finish()
 
-    def serves_after_return(self, landed: Landed, on_device: bool) -> bool:
+    def serves_after_return(self, landed: Landed) -> bool:
         """Whether this member goes on serving after the receive returns (:meth:`hand_over`): a fresh
-        receive into host memory, where the transport asked for it (fetch/relaying.py, AfterReturn)."""
+        receive, where the transport asked for it (fetch/relaying.py, AfterReturn). One into device memory
+        never gets here: its duty stopped when attached."""
         relay = self.options.relay
-        if relay is None or relay.after_return is None or on_device:
+        if relay is None or relay.after_return is None:
             return False
         return all(d.in_place is None for d in landed.destinations)
 
