@@ -47,9 +47,10 @@ def test_the_kernels_counters_are_read_at_their_offsets_and_libzmqs_descriptor_s
         reading = read_tcp_info(sender.fileno())
         assert reading is not None
         # Everything the receiver read was acknowledged (what tcpi_bytes_acked counts, past the handshake),
-        # and loopback delivers it at more than a slow NIC's rate.
+        # and the delivery rate is a rate, not a neighbouring field: the latest flight's estimate, which on
+        # a loaded CI machine was once 7 MB/s over loopback, so only its order of magnitude is checked.
         assert nbytes <= reading.acked <= nbytes + 1
-        assert reading.delivery_rate > 10e6
+        assert 1e5 < reading.delivery_rate < 1e13
         # The reading worked on a duplicate: the socket itself still sends.
         sender.sendall(b"y")
         assert receiver.recv(1) == b"y"
