@@ -88,16 +88,17 @@ def fetch_all(
     return results
 
 
-def once_a_member(sender: ZMQTransport[Any], first: Any, then: Any) -> Any:
-    """Run ``first`` in a thread and, once it has joined ``sender``'s swarm (asked for the header), ``then``
-    here; returns what ``then`` returns, once ``first`` is done too."""
+def once_a_member(sender: ZMQTransport[Any], first: Any, then: Any, wait: float = 30, join: float = 60) -> Any:
+    """Run ``first`` in a thread and, once it has joined ``sender``'s swarm (asked for the header; at most
+    ``wait`` seconds), ``then`` here; returns what ``then`` returns, once ``first`` is done too (at most
+    ``join`` seconds more)."""
     thread = threading.Thread(target=first)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + wait
     while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
         time.sleep(0.005)
     result = then()
-    thread.join(60)
+    thread.join(join)
     return result
 
 

@@ -13,7 +13,6 @@ same with real processes on their own hosts.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 from urllib.parse import quote
@@ -49,6 +48,7 @@ from zmqtransport.serve.staged import Staged
 from zmqtransport.testing import FakeDevice
 
 from .conftest import TIMEOUT
+from .test_relay import once_a_member
 
 SHA = digests.algorithm(digests.SHA256)
 MIB = 1 << 20
@@ -481,14 +481,12 @@ def _heal_behind_a_rogue(
     want = state()
     sender.send_checkpoint([1, 2], 1, want, TIMEOUT)
     rogue_done: list[Any] = []
-    head = threading.Thread(target=lambda: rogue_done.append(_receive(rogue, sender)))
-    head.start()
-    deadline = time.monotonic() + 20
-    while not sender._server._scheduler.swarm.members and time.monotonic() < deadline:
-        time.sleep(0.005)  # until the rogue heads the chain
-    with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
-        got = honest.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
-    head.join(30)
+
+    def behind_the_rogue() -> Any:  # once the rogue heads the chain
+        with caplog.at_level(logging.WARNING, logger="zmqtransport.fetch"):
+            return honest.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
+
+    got = once_a_member(sender, lambda: rogue_done.append(_receive(rogue, sender)), behind_the_rogue, wait=20, join=30)
     assert same(got, want)
     named = [r.getMessage() for r in caplog.records if rogue.metadata() in r.getMessage()]
     return honest.last_recv_stats, named, rogue
