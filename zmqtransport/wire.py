@@ -62,6 +62,9 @@ MAX_MESSAGES = 2**32  # bound on a span's data message numbers (a plan has far f
 MAX_METADATA_CHARS = 4096  # a relay's metadata string in a request or header envelope
 RELAY_TOKEN_BYTES = 16
 MAX_PEERS = 64  # peers one swarm member is told about (a relay order, a have reply)
+# How a have question asks the source to name the other members (NamedPeer, below).
+NAMES_PLAIN, NAMES_FULL, NAMES_SHORT = 0, 1, 2
+MAX_NAME_NUMBER = 2**32 - 1
 MAX_DIGEST_BYTES = 64  # one digest (both algorithms give 32 bytes)
 # Most storages and tensor-table entries one header may describe. Each costs the
 # receiver Python objects and an allocation even when empty, so without a cap a
@@ -128,8 +131,10 @@ class Request:
     verify: tuple[str, ...] = ()
     inline: bool = False
     digests_only: bool = False
-    # A have request of a swarm member to the source: messages it asks the source to reserve for it.
+    # A have request of a swarm member to the source: messages it asks the source to reserve for it,
+    # and how it wants the other members named (NAMES_PLAIN, NAMES_FULL, NAMES_SHORT).
     claim: int = 0
+    names: int = NAMES_PLAIN
 
 
 def decode_request(frame: bytes | memoryview) -> Request:
@@ -184,7 +189,10 @@ def decode_request(frame: bytes | memoryview) -> Request:
         claim = message.get("claim", 0)
         if type(claim) is not int or not 0 <= claim <= MAX_CREDIT or (claim and token is None):
             raise ProtocolError(f"field 'claim' must be 0 to {MAX_CREDIT}, with field 'token'")
-        return Request(op, xfer, stage=stage, token=token, claim=claim)
+        names = message.get("names", NAMES_PLAIN)
+        if type(names) is not int or names not in (NAMES_PLAIN, NAMES_FULL, NAMES_SHORT):
+            raise ProtocolError(f"field 'names' must be {NAMES_FULL} or {NAMES_SHORT}")
+        return Request(op, xfer, stage=stage, token=token, claim=claim, names=names)
     return Request(op, xfer)
 
 
@@ -276,16 +284,19 @@ def fetch_request(
     return pack(message)
 
 
-def have_request(xfer: int, stage: int, token: bytes | None, claim: int = 0) -> bytes:
+def have_request(xfer: int, stage: int, token: bytes | None, claim: int = 0, names: int = NAMES_PLAIN) -> bytes:
     """What do you hold of staging ``stage``? ``token``: the peer's (asking a relay) or the asker's own (the source).
 
     ``claim``: a swarm member asks the source to reserve it up to this many
-    messages that the source has reserved for nobody yet (docs/protocol.md, "Swarm")."""
+    messages that the source has reserved for nobody yet; ``names``: how it
+    wants the other members named (docs/protocol.md, "Swarm")."""
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HAVE, "id": xfer, "stage": stage}
     if token is not None:
         message["token"] = token
     if claim:
         message["claim"] = claim
+    if names != NAMES_PLAIN:
+        message["names"] = names
     return pack(message)
 
 
@@ -293,7 +304,7 @@ def have_reply(
     xfer: int,
     bits: int | None,
     messages: int,
-    peers: Sequence[Peer] = (),
+    peers: Sequence[NamedPeer] = (),
     coming: int = 0,
     claimed: tuple[int, ...] | None = None,
 ) -> bytes:
@@ -303,7 +314,7 @@ def have_reply(
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HAVE, "id": xfer}
     message.update(_holdings_fields(bits, coming, messages))
     if peers:
-        message["peers"] = [[at, token] for at, token in peers]
+        message["peers"] = [entry if isinstance(entry, int) else list(entry) for entry in peers]
     if claimed is not None:
         message["claimed"] = list(claimed)
     return pack(message)
@@ -377,7 +388,7 @@ class Reply:
     dg: bytes | None = None
     have: int | None = None  # a have reply's bit set (None: holds everything); a relay's end's (None: not said)
     coming: int = 0  # a have reply's (or a relay's end's) messages being fetched
-    peers: tuple[Peer, ...] = ()  # a have reply's swarm members, from the source
+    peers: tuple[NamedPeer, ...] = ()  # a have reply's swarm members, from the source
     claimed: tuple[int, ...] | None = None  # the messages the source reserved: (first, stop), () none left
 
 
@@ -423,7 +434,8 @@ def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
         have, fetching = _holdings(message, who)
         claimed = _claimed(message.get("claimed"), who)
         return Reply(
-            op, xfer, more, have=have, coming=fetching, peers=decode_peers(message.get("peers")), claimed=claimed
+            op, xfer, more, have=have, coming=fetching, peers=decode_named_peers(message.get("peers")),
+            claimed=claimed,
         )
     raise ProtocolError(f"unknown reply op {op!r} from {who}")
 
@@ -512,6 +524,12 @@ def header_envelope(
 
 # A member of a staging's swarm: where it serves (its metadata) and the token to show it.
 Peer = tuple[str, bytes]
+# A member as a source's have reply names it (docs/protocol.md, "Swarm"): [metadata, token] to an
+# asker that said nothing of names (an earlier release); with the source's number for that entry,
+# [metadata, token, number], to one that said NAMES_FULL or NAMES_SHORT; and to one that said
+# NAMES_SHORT, the number alone once the source has named that entry to it in full. At 256 members
+# the full names of the newest 64, in every answer, were a sixth of the source's uplink (docs/sim.md).
+NamedPeer = Peer | tuple[str, bytes, int] | int
 
 
 @dataclass(frozen=True)
@@ -531,21 +549,46 @@ class RelayOrder:
 
 def decode_peers(value: Any) -> tuple[Peer, ...]:
     """Validate a list of ``[metadata, token]`` pairs (None: none)."""
+    return tuple(_peer(entry) for entry in _peer_list(value))
+
+
+def decode_named_peers(value: Any) -> tuple[NamedPeer, ...]:
+    """Validate a have reply's ``peers`` (None: none): ``[metadata, token]``, ``[metadata, token, number]``
+    or ``number`` (:data:`NamedPeer`)."""
+    named: list[NamedPeer] = []
+    for entry in _peer_list(value):
+        if isinstance(entry, list) and len(entry) == 3:
+            named.append((*_peer(entry[:2]), _name_number(entry[2])))
+        elif isinstance(entry, list):
+            named.append(_peer(entry))
+        else:
+            named.append(_name_number(entry))
+    return tuple(named)
+
+
+def _peer_list(value: Any) -> list[Any]:
     if value is None:
-        return ()
+        return []
     if not isinstance(value, list) or len(value) > MAX_PEERS:
         raise ProtocolError(f"'peers' must be a list of at most {MAX_PEERS} [metadata, token] pairs")
-    peers = []
-    for entry in value:
-        if not (isinstance(entry, list) and len(entry) == 2):
-            raise ProtocolError("a peer must be [metadata, token]")
-        at, token = entry
-        if not isinstance(at, str) or not 0 < len(at) <= MAX_METADATA_CHARS:
-            raise ProtocolError("a peer's metadata must be a string")
-        if not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES:
-            raise ProtocolError(f"a peer's token must be {RELAY_TOKEN_BYTES} bytes")
-        peers.append((at, token))
-    return tuple(peers)
+    return value
+
+
+def _peer(entry: Any) -> Peer:
+    if not (isinstance(entry, list) and len(entry) == 2):
+        raise ProtocolError("a peer must be [metadata, token]")
+    at, token = entry
+    if not isinstance(at, str) or not 0 < len(at) <= MAX_METADATA_CHARS:
+        raise ProtocolError("a peer's metadata must be a string")
+    if not isinstance(token, bytes) or len(token) != RELAY_TOKEN_BYTES:
+        raise ProtocolError(f"a peer's token must be {RELAY_TOKEN_BYTES} bytes")
+    return at, token
+
+
+def _name_number(value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_NAME_NUMBER:
+        raise ProtocolError(f"a peer's number must be 0 to {MAX_NAME_NUMBER}")
+    return value
 
 
 def decode_relay_order(order: Any) -> RelayOrder | None:

@@ -159,17 +159,22 @@ class Peers:
         self._dropped: set[int] = set()
         self._known = list(known)
         self._heard: set[bytes] = set()  # every member the source named to this receive
+        # The source's numbers of the entries its last answer named (wire.NamedPeer), and whether an
+        # answer named a number this receive did not know (one lost, or two that crossed).
+        self._named: dict[int, wire.Peer] = {}
+        self._unknown_number = False
         # Which members past MAX_PEERS: random, but the same for the same token (the model's runs repeat).
         self._pick = random.Random(own_token if own_token is not None else 0)  # noqa: S311 (not a secret)
         self.source_from = -math.inf  # the source is asked nothing before (it said ``busy``: fetch/backoff.py)
         self.budget = QuestionBudget()  # what a receive with work in hand may ask (``paced``)
 
-    def learn(self, members: Sequence[wire.Peer] = ()) -> list[NewPeer]:
+    def learn(self, members: Sequence[wire.NamedPeer] = (), take_on: bool = True) -> list[NewPeer]:
         """Members the source named (and those of the relay order, the first time): the ones that are new,
-        and known ones the source now names under more paths (their ``at`` has changed)."""
+        and known ones the source now names under more paths (their ``at`` has changed). ``take_on``
+        False: no new one (the receive is nearly done)."""
         fresh = []
-        offered = [*self._known, *members]
-        admit = self._admit([token for _, token in offered])
+        offered = [*self._known, *self._resolve(members)]
+        admit = self._admit([token for _, token in offered]) if take_on else set()
         for at, token in offered:
             if token == self.own_token:
                 continue
@@ -187,6 +192,34 @@ class Peers:
             fresh.append(NewPeer(peer, at, token))
         self._known = []
         return fresh
+
+    def names(self) -> int:
+        """How this receive asks the source to name the members: what it named before by number alone,
+        or, after a number this receive did not know, everything in full once."""
+        return wire.NAMES_FULL if self._unknown_number else wire.NAMES_SHORT
+
+    def _resolve(self, members: Sequence[wire.NamedPeer]) -> list[wire.Peer]:
+        """The members an answer named, numbers looked up in the last answer's (one not found is skipped:
+        it was named before, so learning it again would only give it another chance to be taken on)."""
+        if not members:
+            return []
+        resolved, named, unknown = list[wire.Peer](), dict[int, wire.Peer](), False
+        for entry in members:
+            peer: wire.Peer | None
+            if isinstance(entry, int):
+                number, peer = entry, self._named.get(entry)
+            elif len(entry) == 3:
+                number, peer = entry[2], (entry[0], entry[1])
+            else:  # an earlier release's source: no numbers
+                resolved.append((entry[0], entry[1]))
+                continue
+            if peer is None:
+                unknown = True
+                continue
+            named[number] = peer
+            resolved.append(peer)
+        self._named, self._unknown_number = named, unknown
+        return resolved
 
     def _admit(self, tokens: Sequence[bytes]) -> set[bytes]:
         """Of ``tokens``, the new members this receive takes on: all while its peers not dropped stay within

@@ -78,6 +78,10 @@ CLAIM_MESSAGES = 4
 # dead without a sign yet (a link down: TCP says nothing until the heartbeats run
 # out), and a member that asks the source only for what it reserved would wait.
 SOURCE_PATIENCE = 0.5
+# A receive takes on no new peer once at most 1/LATE_PEERS of its messages are missing: such a peer
+# has little left to serve, and has no pace yet; one that lies (claims all, serves nothing) was then
+# asked for a last message and held it for a quiet bound (docs/sim.md, "Names by number").
+LATE_PEERS = 16
 # Read-ahead: once a receive has peers, it asks the source for the digests of
 # messages no span has reached yet, in plan order, so that what peers send is
 # checked on arrival rather than held until its digest comes back. A digest
@@ -355,7 +359,9 @@ class Outgoing:
             xfer = self.new_xfer()
             count = claim_size(peers.spread()) if claim and peer == SOURCE else 0
             peers.asking(peer, xfer, now, claim=bool(count))
-            actions.append(Send(index, xfer, wire.have_request(xfer, plan.terms.stage, peers.token_of(peer), count)))
+            names = peers.names() if peer == SOURCE else wire.NAMES_PLAIN
+            request = wire.have_request(xfer, plan.terms.stage, peers.token_of(peer), count, names)
+            actions.append(Send(index, xfer, request))
         return actions
 
     def _claims_late(self, now: float) -> None:
@@ -408,7 +414,8 @@ class Outgoing:
         if peer == SOURCE:
             self.source_answered(question, reply.claimed)
             if plan.digests is not None:  # peers only while their bytes can be checked
-                return [*(Connect(new) for new in peers.learn(reply.peers)), Wake(now)]
+                take_on = plan.book.missing * LATE_PEERS > plan.messages
+                return [*(Connect(new) for new in peers.learn(reply.peers, take_on)), Wake(now)]
         elif not peers.dropped(peer):
             if reply.peers or reply.claimed is not None:
                 raise ProtocolError(f"{who}: a have reply that speaks for the source")

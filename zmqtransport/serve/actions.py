@@ -63,7 +63,7 @@ class Have:
     xfer: int
     bits: int | None
     messages: int
-    peers: tuple[wire.Peer, ...] = ()
+    peers: tuple[wire.NamedPeer, ...] = ()
     coming: int = 0
     claimed: tuple[int, ...] | None = None  # to a member's claim: what the swarm reserved for it
 

@@ -348,7 +348,7 @@ class Scheduler:
         if staged is not None and staged.stage_id == request.stage:
             if token is not None:
                 self.swarm.seen(token, address)
-            peers = self.swarm.peers_for(token) if token is not None else None
+            peers = self.swarm.peers_for(token, request.names) if token is not None else None
             claimed = self.swarm.claim(token, request.claim, staged.messages) if token and request.claim else None
             return Have(peer, request.xfer, None, staged.messages, peers or (), claimed=claimed)
         withdrawn = self.withdrawals.find(request.stage)

@@ -41,11 +41,13 @@ MAX_MEMBERS = 1024
 
 @dataclass(frozen=True)
 class Member:
-    """A receiver that offered to relay: its header connection, where it serves, its token."""
+    """A receiver that offered to relay: its header connection, where it serves, its token; ``number``:
+    this entry's in have replies (a new one whenever ``at`` changes, so a number means one entry)."""
 
     peer: bytes
     at: str
     token: bytes
+    number: int = 0
 
 
 class Swarm:
@@ -66,6 +68,10 @@ class Swarm:
         self._cursor = 0
         # Messages of the staging sent to some receiver at least once: their first copies are out.
         self.sent = 0
+        # By asker's token: the numbers of the entries the last answer to it named (wire.NamedPeer), each
+        # named in full there or earlier: what the next may name by number alone; at most wire.MAX_PEERS.
+        self.told: dict[bytes, frozenset[int]] = {}
+        self._numbers = 0
 
     def join(self, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
         """A receiver offered to relay: its token, and the members it may fetch from (the newest last).
@@ -77,8 +83,10 @@ class Swarm:
         # A receiver asking again (a retry on the same connection) rejoins at the end, never beside itself.
         self.left(peer)
         known = self._peers(self.members) if follows else ()
-        self.members.append(Member(peer, at, token))
-        del self.members[:-MAX_MEMBERS]
+        self.members.append(Member(peer, at, token, self._number()))
+        if len(self.members) > MAX_MEMBERS:
+            del self.members[:-MAX_MEMBERS]
+            self._forget_non_members()
         if not known:
             return wire.RelayOrder(token)
         newest_at, newest_token = known[-1]
@@ -111,13 +119,25 @@ class Swarm:
         self.offers[token] = (offer, addresses)
         at = believable_offer(offer, addresses, self.curve)
         if at is not None:
-            self.members = [replace(m, at=at) if m.token == token else m for m in self.members]
+            self.members = [replace(m, at=at, number=self._number()) if m.token == token else m for m in self.members]
 
-    def peers_for(self, token: bytes) -> tuple[wire.Peer, ...] | None:
-        """The members other than the one serving under ``token`` (None: no member has it)."""
-        if not any(member.token == token for member in self.members):
+    def peers_for(self, token: bytes, names: int = wire.NAMES_PLAIN) -> tuple[wire.NamedPeer, ...] | None:
+        """The members other than the one serving under ``token`` (None: no member has it), named as it
+        asked (``names``, wire.NamedPeer): with ``NAMES_SHORT``, an entry this side named to it in full
+        in an earlier answer, and names again now, goes as its number alone.
+
+        Every answer names the same members as before, the ones the asker
+        did not take on too (it may take them on after a drop); only their
+        bytes shrink, from about 40 to 1-5 each.
+        """
+        if not self._member(token):
             return None
-        return self._peers([member for member in self.members if member.token != token])
+        others = [member for member in self.members if member.token != token][-wire.MAX_PEERS :]
+        if names == wire.NAMES_PLAIN:
+            return self._peers(others)
+        told = self.told.get(token, frozenset()) if names == wire.NAMES_SHORT else frozenset()
+        self.told[token] = frozenset(member.number for member in others)
+        return tuple(m.number if m.number in told else (m.at, m.token, m.number) for m in others)
 
     def claim(self, token: bytes, count: int, messages: int) -> tuple[int, ...] | None:
         """Reserve up to ``count`` consecutive messages of ``messages`` that no member has been reserved, for
@@ -153,7 +173,7 @@ class Swarm:
     def left(self, peer: bytes) -> None:
         """The header connection of ``peer`` closed: it no longer serves (its receive ended)."""
         self.members = [member for member in self.members if member.peer != peer]
-        self.offers = {token: offer for token, offer in self.offers.items() if self._member(token)}
+        self._forget_non_members()
 
     def clear(self) -> None:
         self.members = []
@@ -162,6 +182,17 @@ class Swarm:
         self.claimed = 0
         self._cursor = 0
         self.sent = 0
+        self.told = {}
+
+    def _forget_non_members(self) -> None:
+        # One set per call: a check per entry against the list was O(members^2) at every leave.
+        tokens = {member.token for member in self.members}
+        self.offers = {token: offer for token, offer in self.offers.items() if token in tokens}
+        self.told = {asker: told for asker, told in self.told.items() if asker in tokens}
+
+    def _number(self) -> int:
+        self._numbers = (self._numbers + 1) % (wire.MAX_NAME_NUMBER + 1)
+        return self._numbers
 
     def _member(self, token: bytes) -> bool:
         return any(member.token == token for member in self.members)
