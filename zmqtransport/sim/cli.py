@@ -172,6 +172,7 @@ def simulate(
         "slowest_over_ideal": round(max(ratios), 4) if ratios else None,
         "median_over_ideal": round(sorted(ratios)[len(ratios) // 2], 4) if ratios else None,
         "upload_over_state": round(c.source_data_bytes / state_bytes, 4),
+        "source_control_over_state": round(c.source_control_bytes / state_bytes, 4),
         "control_per_receiver": round(c.control_messages / receivers, 2),
         "source_control_per_receiver": round(c.source_control / receivers, 2),
         "control_by_kind_per_receiver": {k: round(v / receivers, 2) for k, v in sorted(c.by_kind.items())},

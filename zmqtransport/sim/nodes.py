@@ -64,6 +64,7 @@ class Counters:
     control_messages: int = 0
     control_bytes: int = 0
     source_data_bytes: int = 0
+    source_control_bytes: int = 0  # what the source sent besides data (its answers, headers, ends)
     source_control: int = 0  # control messages into or out of the source
     duplicates: int = 0
     planner_passes: int = 0  # ReceivePlanner.tick calls (the owner's loop passes), all receivers
@@ -102,6 +103,8 @@ class Net:
         else:
             c.control_messages += 1
             c.control_bytes += size
+            if source:
+                c.source_control_bytes += size
         pair = (src.name, dst.name)
         self.in_flight[pair] = self.in_flight.get(pair, 0) + size
         self.queued[src.name] = self.queued.get(src.name, 0) + size
