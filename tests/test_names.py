@@ -6,15 +6,17 @@ the model at 256 receivers those answers were a sixth of the source's
 uplink, the link that bounds the swarm (docs/sim.md). A member that asks
 with ``names=NAMES_SHORT`` is now sent an entry the source named to it
 before as its number alone; what the member learns from each answer is the
-same. No sockets: the source's Swarm, the wire's encoding and a receive's
-Peers, with explicit time.
+same. The source's Swarm, the wire's encoding and a receive's Peers, with
+explicit time; then real transports on loopback.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from zmqtransport import wire
+from zmqtransport import relayed, wire
 from zmqtransport.errors import ProtocolError
 from zmqtransport.fetch.peers import Peers
 from zmqtransport.fetch.planner import Question
@@ -22,8 +24,10 @@ from zmqtransport.fetch.spans import SOURCE
 from zmqtransport.serve.swarm import MAX_MEMBERS, Swarm
 from zmqtransport.wire import NAMES_FULL, NAMES_PLAIN, NAMES_SHORT
 
+from .conftest import TIMEOUT
 from .test_planner import OWN, planner
 from .test_planner import Swarm as ReceiveSwarm
+from .test_relay import fetch_all, same, slow, state
 
 
 def token(n: int) -> bytes:
@@ -197,3 +201,29 @@ def test_a_receive_nearly_done_takes_on_no_new_peer() -> None:
     assert answered_with_a_newcomer(0) == [1]
     assert answered_with_a_newcomer(28) == [1]  # 4 of 32 missing: more than 1/16
     assert answered_with_a_newcomer(30) == []  # 2 missing
+
+
+def test_real_members_ask_for_short_names_and_are_named_by_number(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three receives on loopback (the source chains them, as across hosts): their questions ask for short
+    names, later answers name by number, and every receive ends bit-exact."""
+    monkeypatch.setattr(relayed, "RELAY_LOOPBACK", True)
+    answers: list[tuple[int, tuple[wire.NamedPeer, ...]]] = []
+    honest = Swarm.peers_for
+
+    def peers_for(self: Swarm, token: bytes, names: int = NAMES_PLAIN) -> tuple[wire.NamedPeer, ...] | None:
+        named = honest(self, token, names)
+        if named:
+            answers.append((names, named))
+        return named
+
+    monkeypatch.setattr(Swarm, "peers_for", peers_for)
+    sender = make_transport()
+    receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]
+    want = state(16)
+    sender.send_checkpoint([1, 2, 3], 1, want, TIMEOUT)
+    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.02)
+    assert all(same(got, want) for got in results)
+    assert answers and {names for names, _ in answers} == {NAMES_SHORT}
+    assert any(isinstance(entry, int) for _, named in answers for entry in named)

@@ -135,7 +135,8 @@ def test_the_cli_prints_the_figures_as_json_on_its_last_line(capsys: pytest.Capt
     assert cli.main(["--receivers", "2", "--mib", "2", "--seed", "1", "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
-    for key in ("receivers", "slowest_over_ideal", "upload_over_state", "control_per_receiver", "completed"):
+    for key in ("receivers", "slowest_over_ideal", "upload_over_state", "source_control_over_state",
+                "control_per_receiver", "completed"):
         assert key in summary
     assert summary["receivers"] == 2 and summary["completed"] == 2
     assert len(lines) == 3  # --json: a row per receiver, then the summary
