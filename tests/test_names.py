@@ -227,3 +227,21 @@ def test_real_members_ask_for_short_names_and_are_named_by_number(
     assert all(same(got, want) for got in results)
     assert answers and {names for names, _ in answers} == {NAMES_SHORT}
     assert any(isinstance(entry, int) for _, named in answers for entry in named)
+
+
+def test_a_member_asking_under_anothers_token_delays_that_one_by_a_question_at_most() -> None:
+    """Every member is told the others' tokens, so a modified one can ask the source with another's: the
+    source then believes that member was named what the impostor was. The member skips the numbers it
+    cannot look up and asks for everything in full next: each newcomer reaches it one answer later, and no
+    wrong peer ever does."""
+    swarm = swarm_of(10)
+    victim = Peers(token(0))
+    victim.learn(answer(swarm, 0, victim.names())[1])
+    for n in range(10, 20):
+        swarm.join(token(n), at(n), token(n))
+        swarm.peers_for(token(0), NAMES_SHORT)  # the impostor, with the victim's token
+        first = victim.learn(answer(swarm, 0, victim.names())[1])
+        assert first == [] and victim.names() == NAMES_FULL  # the newcomer came as a number it lacks
+        [second] = victim.learn(answer(swarm, 0, victim.names())[1])
+        assert (second.at, second.token) == (at(n), token(n)) and victim.names() == NAMES_SHORT
+    assert sorted(victim.tokens.values()) == [token(n) for n in range(1, 20)]
