@@ -619,19 +619,14 @@ def test_verify_all_checks_the_sources_own_bytes(
     sender = make_transport()
     want = state(4)
     sender.send_checkpoint([1], 1, want, TIMEOUT)
-
-    def receive_and_leave(**options: Any) -> Any:
-        # A receiver that stays would serve on after its receive, and the next
-        # one could take message 2 from it, not from the source under test.
-        receiver = make_transport(streams=streams, **options)
-        got = receiver.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
-        receiver.shutdown()
-        return got
-
-    assert same(receive_and_leave(verify="all"), want)
+    # The first two stop serving as their receives return (relay_after_return=False), as in
+    # test_relay's late receiver: the last takes message 2 from the source under test, not from them.
+    first = make_transport(verify="all", streams=streams, relay_after_return=False)
+    assert same(first.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
     corrupting(monkeypatch)
     # By default the source's own bytes are trusted (TCP's checksum only) ...
-    assert not same(receive_and_leave(), want)
+    trusting = make_transport(streams=streams, relay_after_return=False)
+    assert not same(trusting.recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
     # ... with verify="all" every byte is checked against its digest.
     with pytest.raises(IntegrityError, match="digest mismatch in data message 2"):
         make_transport(verify="all", streams=streams).recv_checkpoint(0, sender.metadata(), 1, TIMEOUT)
