@@ -79,9 +79,11 @@ CLAIM_MESSAGES = 4
 # out), and a member that asks the source only for what it reserved would wait.
 SOURCE_PATIENCE = 0.5
 # A receive takes on no new peer once at most 1/LATE_PEERS of its messages are missing: such a peer
-# has little left to serve, and has no pace yet; one that lies (claims all, serves nothing) was then
-# asked for a last message and held it for a quiet bound (docs/sim.md, "Names by number").
-LATE_PEERS = 16
+# has little left to serve, and no pace yet to judge its silence by, so one that lies (claims all,
+# serves nothing) held what it was asked for through a quiet bound of seconds. In the model, 64
+# members with two liars: the slowest 1.52-1.61x the ideal with 1/16, 1.41-1.46x with 1/4; equal links
+# and 256 members within 1% (docs/sim.md, "New peers late in a receive").
+LATE_PEERS = 4
 # Read-ahead: once a receive has peers, it asks the source for the digests of
 # messages no span has reached yet, in plan order, so that what peers send is
 # checked on arrival rather than held until its digest comes back. A digest
