@@ -191,7 +191,7 @@ def decode_request(frame: bytes | memoryview) -> Request:
             raise ProtocolError(f"field 'claim' must be 0 to {MAX_CREDIT}, with field 'token'")
         names = message.get("names", NAMES_PLAIN)
         if type(names) is not int or names not in (NAMES_PLAIN, NAMES_FULL, NAMES_SHORT):
-            raise ProtocolError(f"field 'names' must be {NAMES_FULL} or {NAMES_SHORT}")
+            raise ProtocolError(f"field 'names' must be {NAMES_PLAIN}, {NAMES_FULL} or {NAMES_SHORT}")
         return Request(op, xfer, stage=stage, token=token, claim=claim, names=names)
     return Request(op, xfer)
 
@@ -570,7 +570,7 @@ def _peer_list(value: Any) -> list[Any]:
     if value is None:
         return []
     if not isinstance(value, list) or len(value) > MAX_PEERS:
-        raise ProtocolError(f"'peers' must be a list of at most {MAX_PEERS} [metadata, token] pairs")
+        raise ProtocolError(f"'peers' must be a list of at most {MAX_PEERS} entries")
     return value
 
 

@@ -47,7 +47,7 @@ class Member:
     peer: bytes
     at: str
     token: bytes
-    number: int = 0
+    number: int
 
 
 class Swarm:
