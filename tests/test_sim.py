@@ -82,8 +82,8 @@ def test_a_seed_gives_the_same_figures() -> None:
 
 
 def test_a_seed_gives_the_same_figures_past_max_peers(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Past MAX_PEERS a member takes on a random pick of peers, seeded by its relay token: the model's
-    # tokens come from the seed, else two runs of 128 receivers differed by 1-3% (2.08 and 2.13x).
+    # Past MAX_PEERS a member keeps the peers of lowest rank, a hash of its relay token and theirs: the
+    # model's tokens come from the seed, else two runs of 128 receivers differed by 1-3% (2.08 and 2.13x).
     monkeypatch.setattr(peers, "MAX_PEERS", 2)
     assert model_figures(6, seed=7) == model_figures(6, seed=7)
 

@@ -417,7 +417,8 @@ class Outgoing:
             self.source_answered(question, reply.claimed)
             if plan.digests is not None:  # peers only while their bytes can be checked
                 take_on = plan.book.missing * LATE_PEERS > plan.messages
-                return [*(Connect(new) for new in peers.learn(reply.peers, take_on)), Wake(now)]
+                actions: list[Action] = [Connect(new) for new in peers.learn(reply.peers, take_on)]
+                return [*actions, *self._retire(peers.surplus()), Wake(now)] if take_on else [*actions, Wake(now)]
         elif not peers.dropped(peer):
             if reply.peers or reply.claimed is not None:
                 raise ProtocolError(f"{who}: a have reply that speaks for the source")
@@ -426,6 +427,16 @@ class Outgoing:
                 # one's wake time does not already name, but for this peer's next question.
                 return [Wake(max(now, peers.turn_of(peer, plan.book.has_work_for(peer))))]
         return [Wake(now)]
+
+    def _retire(self, surplus: list[int]) -> list[Action]:
+        """Stop using the peers of ``surplus`` (out of the view, :meth:`.Peers.surplus`) that have no span
+        outstanding here, so nothing asked is lost; the others at a later answer."""
+        plan = self.plan
+        owing = {plan.book.peer_of(span.stream) for span in plan.registry.of(Span)}
+        actions: list[Action] = []
+        for peer in (peer for peer in surplus if peer not in owing):
+            actions += plan.drop_peer(peer, "more members were heard of; it left this receive's view", logging.DEBUG)
+        return actions
 
     def heard(self, lane: Lane, reply: wire.Reply, who: str, now: float) -> None:
         """A reply came on ``lane``: the source's is a sign of life; a peer's span end may say what it holds
@@ -792,9 +803,9 @@ class ReceivePlanner:
                 actions += self._drop(index, f"sent nothing for {stall:.3g} s (stall_timeout)")
             elif lane.token is not None and silent >= quiet_first and silent >= self.book.silent_peer_bound(index):
                 # A peer is asked only for what it says it holds: silence is not waiting, it is failure.
-                actions += self._drop_peer(lane.peer, f"sent nothing for {silent:.2g} s of what it holds")
+                actions += self.drop_peer(lane.peer, f"sent nothing for {silent:.2g} s of what it holds")
         for peer in self.book.unbacked(now):  # claims are hints with deadlines (fetch/claims.py)
-            actions += self._drop_peer(peer, "it claims to be fetching what this receive wants, and for its "
+            actions += self.drop_peer(peer, "it claims to be fetching what this receive wants, and for its "
                                        "claim bound neither came to hold more nor sent anything")
         return actions
 
@@ -839,7 +850,7 @@ class ReceivePlanner:
         lane = self.lanes[stream]
         if lane.token is None:
             return [Fail(error)]
-        return self._drop_peer(lane.peer, f"malformed message: {error}", believed=False)
+        return self.drop_peer(lane.peer, f"malformed message: {error}", believed=False)
 
     def received(self, stream: int, seq: int, crc: int | None, digest: bytes | None) -> list[Action]:
         """Data message ``seq`` from ``stream`` is in its destination (``digest``: computed, from a peer)."""
@@ -879,7 +890,7 @@ class ReceivePlanner:
             # A peer is a helper: whatever it refuses, the source or another peer serves.
             stopped = reply.code == wire.ERR_NOT_RELAYING  # it stopped serving: routine at the end of its tail
             why = f"error reply [{reply.code}] {reply.text}"
-            return self._drop_peer(lane.peer, why, logging.INFO if stopped else None, believed=stopped)
+            return self.drop_peer(lane.peer, why, logging.INFO if stopped else None, believed=stopped)
         if reply.code == wire.ERR_BUSY:  # at its limits for now: asked again later (fetch/backoff.py)
             return self._cancel(self.out.source_busy(stream, xfer, now))
         refused = self.out.digests_refused(xfer)
@@ -908,7 +919,7 @@ class ReceivePlanner:
             if not lane.gone:
                 algorithm = self.terms.algorithm.name if self.terms.algorithm is not None else "digest"
                 why = f"data message {verdict.seq} does not match the source's {algorithm} digest"
-                actions += self._drop_peer(lane.peer, why, believed=False)
+                actions += self.drop_peer(lane.peer, why, believed=False)
         return actions
 
     def _count(self, seq: int, crc: int | None, stream: int) -> list[Action]:
@@ -931,7 +942,7 @@ class ReceivePlanner:
             lane = self.lanes[span.stream]
             if lane.token is not None and not lane.gone and self.book.did_nothing(span, now):
                 why = "sent nothing for a quiet bound, nor while others served its spans"
-                actions += self._drop_peer(lane.peer, why)
+                actions += self.drop_peer(lane.peer, why)
         return actions
 
     def _cancel(self, spans: list[Span]) -> list[Action]:
@@ -963,7 +974,7 @@ class ReceivePlanner:
                 self.book.rejected(self.digests.forget(stream))
         return [Close(stream)]
 
-    def _drop_peer(self, peer: int, why: str, level: int | None = None, believed: bool = True) -> list[Action]:
+    def drop_peer(self, peer: int, why: str, level: int | None = None, believed: bool = True) -> list[Action]:
         """Fetch nothing more from ``peer`` in this receive: its spans go to the source and the others."""
         assert self.peers is not None and peer != SOURCE
         self.peers.drop(peer)
@@ -982,7 +993,7 @@ class ReceivePlanner:
         actions: list[Action] = []
         for peer in list(self.peers.tokens):
             if not self.peers.dropped(peer):
-                actions += self._drop_peer(peer, why, believed=False)
+                actions += self.drop_peer(peer, why, believed=False)
         self.book.rejected(waiting)
         for request in list(self.registry.of(DigestRequest)):
             self.registry.settle(request.xfer, FORGOTTEN)  # their answers, when they come, are dropped
