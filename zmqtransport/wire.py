@@ -76,9 +76,9 @@ def rank(order: bytes, asker: bytes, member: bytes) -> bytes:
     """Where swarm member ``member`` stands in member ``asker``'s ``order`` (both relay tokens, which the
     source draws at random): the source names each member the MAX_PEERS others of lowest NAMED rank, and a
     member keeps the peers of lowest KEPT rank among those it is named, so every member is in about as many
-    views as any other (docs/protocol.md, "Swarm"). A hash of both tokens: no member can choose where it
-    stands. The two orders are independent draws: with one order for both, a member kept the first half of
-    what the source named, and in the model 256 receivers took 1.75-1.79x the ideal, against 1.69-1.70x."""
+    views as any other (docs/protocol.md, "Swarm"). The two orders are independent draws: with one order
+    for both, a member kept the first half of what the source named, and in the model 256 receivers took
+    1.75-1.79x the ideal, against 1.69-1.70x."""
     return hashlib.blake2b(order + asker + member, digest_size=8).digest()
 MAX_DIGEST_BYTES = 64  # one digest (both algorithms give 32 bytes)
 # Most storages and tensor-table entries one header may describe. Each costs the
