@@ -52,19 +52,19 @@ HAVE_PEERS = 16
 # Peers one receive keeps (not counting those it dropped): every member it hears
 # of up to this many; past it, this many or half of those it has heard of,
 # whichever is more, as a BitTorrent client keeps a few dozen of a swarm's
-# peers. The source names a member at most its relay order's 64 and the 64 of
-# lowest wire.rank, so at 256 receivers a member keeps 32 to about 64 peers, and its lanes,
-# its planner's pass and the wait between two questions to one peer stay what
-# that many cost. Which ones: those of lowest rank (Peers._rank, a hash of its
-# own token and theirs) among the members heard of and not dropped, so each
-# member is in about as many views as any other, however late it joined
-# (rendezvous hashing); one that leaves the view as more are heard of is
-# retired once nothing is asked of it (Peers.surplus). A random sample of each
-# answer took on every member named early, as the first answers name only the
-# members that joined so far: in the model's 64 receivers the members that
-# sat idle at 2 s were in 24 views on average, the busy ones in 39; ranked,
-# every member is in 31-32 and the slowest receive ends 1-2% sooner
-# (docs/sim.md, "Balanced views").
+# peers. The source names a member at most its relay order's 64 and 64 others
+# (serve.swarm.Swarm.peers_for), so at 256 receivers a member keeps 32 to
+# about 64 peers, and its lanes, its planner's pass and the wait between two
+# questions to one peer stay what that many cost. Which ones: those of lowest
+# rank (Peers._rank, a hash of its own token and theirs) among the members
+# heard of and not dropped, so each member is in about as many views as any
+# other, however late it joined (rendezvous hashing); one that leaves the view
+# as more are heard of is retired once nothing is asked of it
+# (Peers.surplus). A random sample of each answer took on every member named
+# early, as the first answers name only the members that joined so far: in
+# the model's 64 receivers the members that sat idle at 2 s were in 24 views
+# on average, the busy ones in 39; ranked, every member is in 31-32 and the
+# median receive ends 2% sooner (docs/sim.md, "Balanced views").
 MAX_PEERS = 32
 # Seconds between two questions to the source about the swarm's members.
 MEMBERS_EVERY = 0.05
@@ -173,6 +173,7 @@ class Peers:
         self._named: dict[int, wire.Peer] = {}
         self._unknown_number = False
         self._view: set[bytes] = set()  # the members this receive keeps, as of the last answer (_admit)
+        self._ranks: dict[bytes, bytes] = {}  # by token: _rank, for every member heard of (one hash each)
         self.source_from = -math.inf  # the source is asked nothing before (it said ``busy``: fetch/backoff.py)
         self.budget = QuestionBudget()  # what a receive with work in hand may ask (``paced``)
 
@@ -242,7 +243,10 @@ class Peers:
 
     def _rank(self, token: bytes) -> bytes:
         """Where member ``token`` stands in this receive's order of preference (:func:`.wire.rank`)."""
-        return wire.rank(wire.KEPT, self.own_token or b"", token)
+        rank = self._ranks.get(token)
+        if rank is None:
+            rank = self._ranks[token] = wire.rank(wire.KEPT, self.own_token or b"", token)
+        return rank
 
     def surplus(self) -> list[int]:
         """Peers taken on (not dropped) that are no longer in the view: more members were heard of since."""

@@ -143,8 +143,8 @@ class Swarm:
         ``wire.MAX_PEERS`` others of lowest :func:`wire.rank` for the asker.
         The newest 64 (as before 2026-12-06) named the last 64 to join to
         every member, so at 256 receivers each of those was in about half the
-        views and most others in a few: the model's slowest receive took 1.90x
-        the ideal, 1.71x ranked (docs/sim.md, "Balanced views").
+        views and most others in a few: the model's slowest receive took
+        1.90-1.93x the ideal, 1.69-1.70x ranked (docs/sim.md, "Balanced views").
         """
         if not self._member(token):
             return None
