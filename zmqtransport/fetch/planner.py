@@ -418,7 +418,9 @@ class Outgoing:
             if plan.digests is not None:  # peers only while their bytes can be checked
                 take_on = plan.book.missing * LATE_PEERS > plan.messages
                 actions: list[Action] = [Connect(new) for new in peers.learn(reply.peers, take_on)]
-                return [*actions, *self._retire(peers.surplus()), Wake(now)] if take_on else [*actions, Wake(now)]
+                if take_on:
+                    actions += self._retire(peers.surplus())
+                return [*actions, Wake(now)]
         elif not peers.dropped(peer):
             if reply.peers or reply.claimed is not None:
                 raise ProtocolError(f"{who}: a have reply that speaks for the source")

@@ -146,9 +146,9 @@ class Swarm:
         views and most others in a few: the model's slowest receive took
         1.90-1.93x the ideal, 1.69-1.70x ranked (docs/sim.md, "Balanced views").
         """
-        if not self._member(token):
-            return None
         by_token = {member.token: member for member in self.members}
+        if token not in by_token:
+            return None
         named = self.named.get(token)
         if named is None:
             ranked = ((wire.rank(wire.NAMED, token, other), other) for other in by_token if other != token)
