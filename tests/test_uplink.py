@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from zmqtransport import wire
 from zmqtransport.codec.tensors import EncodedTree
-from zmqtransport.serve.actions import SendHeader
+from zmqtransport.errors import ProtocolError
+from zmqtransport.serve.actions import Have, SendHeader
 from zmqtransport.serve.scheduler import Scheduler
 from zmqtransport.serve.staged import Staged
 from zmqtransport.serve.uplink import IDLE_GAP, MIN_BYTES, SWARM_PER_RECEIVER, LinkReading, Uplink
@@ -249,3 +251,59 @@ def test_a_connection_read_only_now_and_then_is_counted_from_its_reading_before(
     uplink.links({1: LinkReading(100 * MIB, 20e6), 2: LinkReading(100 * MIB, 25e6)})
     assert uplink.link_bytes == 200 * MIB
     assert uplink.link_rates == [30e6, 45e6]
+
+
+# ----------------------------------------------------------------------------- stepping aside within a step
+
+
+def ask(scheduler: Scheduler, peer: bytes, header: SendHeader, host: str, now: float, claim: int = 0) -> Have:
+    """The member ``header`` made asks the source, with its own token, who the others are (and to claim)."""
+    assert header.relay is not None
+    request = wire.Request(wire.OP_HAVE, 9, stage=header.stage_id, token=header.relay.token, claim=claim)
+    (answer,) = scheduler.on_request(peer, request, host, now)
+    assert isinstance(answer, Have)
+    return answer
+
+
+@pytest.mark.parametrize("rates", [SHAPED, UNSHAPED_LOADED], ids=["400mbit", "unshaped"])
+def test_members_made_before_anything_was_measured_fetch_alone_once_the_step_measures_a_fast_uplink(
+    rates: list[float],
+) -> None:
+    """A job's first step: every receiver asks at once, nothing is measured, all are made members. Where
+    the step's own measure then shows an uplink that feeds them faster than they relay, the source tells
+    each member, in its next answer, to fetch the rest from it alone: no members named, nothing claimed,
+    and first copies no longer go first. Before 2026-12-06 the first step stayed a swarm to its end."""
+    scheduler = Scheduler(TIMEOUT)
+    step = staged()
+    step.receivers = 3
+    scheduler.stage(step, 1000.0)
+    headers = [offer(scheduler, f"r{i}".encode(), f"10.0.0.{i}") for i in (1, 2, 3)]
+    assert all(h.relay is not None and h.header_only for h in headers)  # nothing measured: members
+    before = ask(scheduler, b"r1", headers[0], "10.0.0.1", 1000.0, claim=4)
+    assert not before.alone and len(before.peers) == 2 and before.claimed == (0, 4)
+    read_links(scheduler.uplink, 4, rates, acked_per_reading=MIN_BYTES // 2)  # the step measured
+    answer = ask(scheduler, b"r2", headers[1], "10.0.0.2", 1000.1, claim=4)
+    spans = [fetch(xfer=10 + i, span=(first, 8), stage=step.stage_id) for i, first in enumerate((0, 4))]
+    for peer, request in zip((b"r1", b"r2"), spans, strict=True):
+        assert scheduler.on_request(peer, request, "10.0.0.1", 1000.1) == []
+    ready = list(scheduler.transfers.values())
+    scheduler.swarm.sent = 1  # message 0 went out once: the first transfer's next is a second copy
+    if rates is SHAPED:  # 50 MB/s for three: the uplink bounds them, the swarm stays
+        assert not answer.alone and len(answer.peers) == 2 and answer.claimed == (4, 8)
+        assert scheduler.swarm.first_copies(ready, step) == ready[1:]
+    else:
+        assert answer.alone and answer.peers == () and answer.claimed is None
+        assert scheduler.swarm.first_copies(ready, step) == ready
+        # It stays aside for the step (its members dropped their peers), and a new step starts afresh.
+        assert ask(scheduler, b"r1", headers[0], "10.0.0.1", 1002.0).alone
+        scheduler.stage(staged(), 1003.0)
+        assert not scheduler.swarm.aside
+
+
+def test_an_alone_answer_round_trips_and_anything_but_a_boolean_is_refused() -> None:
+    assert wire.decode_reply(wire.have_reply(7, None, 12, alone=True), False, "x").alone
+    assert not wire.decode_reply(wire.have_reply(7, None, 12), False, "x").alone
+    for value in (1, "yes", None, [True]):
+        message = {"v": wire.PROTOCOL_VERSION, "op": wire.OP_HAVE, "id": 1, "alone": value}
+        with pytest.raises(ProtocolError, match="alone"):
+            wire.decode_reply(msgpack.packb(message), False, "the peer")

@@ -322,16 +322,20 @@ def have_reply(
     peers: Sequence[NamedPeer] = (),
     coming: int = 0,
     claimed: tuple[int, ...] | None = None,
+    alone: bool = False,
 ) -> bytes:
     """What this side holds (``bits``: a bit per data message; None: everything, the source), what it is
     fetching now (``coming``) and, from the source, the swarm's other members and, to a claim, the
-    messages it reserved for the asker (``claimed``: ``(first, stop)``, or ``()`` when none are left)."""
+    messages it reserved for the asker (``claimed``: ``(first, stop)``, or ``()`` when none are left);
+    ``alone``: the source feeds the asker faster than the swarm would, fetch the rest from it alone."""
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HAVE, "id": xfer}
     message.update(_holdings_fields(bits, coming, messages))
     if peers:
         message["peers"] = [entry if isinstance(entry, int) else list(entry) for entry in peers]
     if claimed is not None:
         message["claimed"] = list(claimed)
+    if alone:
+        message["alone"] = True
     return pack(message)
 
 
@@ -405,6 +409,7 @@ class Reply:
     coming: int = 0  # a have reply's (or a relay's end's) messages being fetched
     peers: tuple[NamedPeer, ...] = ()  # a have reply's swarm members, from the source
     claimed: tuple[int, ...] | None = None  # the messages the source reserved: (first, stop), () none left
+    alone: bool = False  # a have reply's: the source's uplink outpaces the swarm, fetch from it alone
 
 
 def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
@@ -448,9 +453,12 @@ def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
     if op == OP_HAVE:
         have, fetching = _holdings(message, who)
         claimed = _claimed(message.get("claimed"), who)
+        alone = message.get("alone", False)
+        if type(alone) is not bool:
+            raise ProtocolError(f"a have reply's 'alone' must be true or false, from {who}")
         return Reply(
             op, xfer, more, have=have, coming=fetching, peers=decode_named_peers(message.get("peers")),
-            claimed=claimed,
+            claimed=claimed, alone=alone,
         )
     raise ProtocolError(f"unknown reply op {op!r} from {who}")
 

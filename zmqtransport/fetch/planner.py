@@ -415,30 +415,15 @@ class Outgoing:
             raise ProtocolError(f"{who}: a have reply to no question")
         if peer == SOURCE:
             self.source_answered(question, reply.claimed)
-            if plan.digests is not None:  # peers only while their bytes can be checked
-                take_on = plan.book.missing * LATE_PEERS > plan.messages
-                actions: list[Action] = [Connect(new) for new in peers.learn(reply.peers, take_on)]
-                if take_on:
-                    actions += self._retire(peers.surplus())
-                return [*actions, Wake(now)]
+            return [*source_named(plan, reply), Wake(now)]
         elif not peers.dropped(peer):
-            if reply.peers or reply.claimed is not None:
+            if reply.peers or reply.claimed is not None or reply.alone:
                 raise ProtocolError(f"{who}: a have reply that speaks for the source")
             if not self._holds(peer, reply, who, now):
                 # Most answers in a swarm of dozens: a pass now would find nothing due that the last
                 # one's wake time does not already name, but for this peer's next question.
                 return [Wake(max(now, peers.turn_of(peer, plan.book.has_work_for(peer))))]
         return [Wake(now)]
-
-    def _retire(self, surplus: list[int]) -> list[Action]:
-        """Stop using the peers of ``surplus`` (out of the view, :meth:`.Peers.surplus`) that have no span
-        outstanding here, so nothing asked is lost; the others at a later answer."""
-        plan = self.plan
-        owing = {plan.book.peer_of(span.stream) for span in plan.registry.of(Span)}
-        actions: list[Action] = []
-        for peer in (peer for peer in surplus if peer not in owing):
-            actions += plan.drop_peer(peer, "more members were heard of; it left this receive's view", logging.DEBUG)
-        return actions
 
     def heard(self, lane: Lane, reply: wire.Reply, who: str, now: float) -> None:
         """A reply came on ``lane``: the source's is a sign of life; a peer's span end may say what it holds
@@ -602,6 +587,41 @@ class Outgoing:
 
 
 # ----------------------------------------------------------------------------- when to ask the planner
+
+
+def source_named(plan: ReceivePlanner, reply: wire.Reply) -> list[Action]:
+    """The source answered this receive's question about the swarm: connect to the members it named that
+    this receive takes on, retire those out of its view; or, told ``alone``, step aside."""
+    peers = plan.peers
+    if plan.digests is None or peers is None:  # peers only while their bytes can be checked
+        return []
+    if reply.alone:
+        return step_aside(plan)
+    take_on = plan.book.missing * LATE_PEERS > plan.messages
+    actions: list[Action] = [Connect(new) for new in peers.learn(reply.peers, take_on)]
+    return actions + retire(plan, peers.surplus()) if take_on else actions
+
+
+def retire(plan: ReceivePlanner, surplus: list[int]) -> list[Action]:
+    """Stop using the peers of ``surplus`` (out of the view, :meth:`.Peers.surplus`) that have no span
+    outstanding here, so nothing asked is lost; the others at a later answer."""
+    owing = {plan.book.peer_of(span.stream) for span in plan.registry.of(Span)}
+    actions: list[Action] = []
+    for peer in (peer for peer in surplus if peer not in owing):
+        actions += plan.drop_peer(peer, "more members were heard of; it left this receive's view", logging.DEBUG)
+    return actions
+
+
+def step_aside(plan: ReceivePlanner) -> list[Action]:
+    """The source answered ``alone``: its uplink feeds every receiver faster than the swarm would
+    (docs/protocol.md, "Swarm", "Stepping aside"). Every peer is dropped (what one sent that waits for
+    its digest is fetched again), what the source reserved binds no more, and the source is asked for
+    spans of full size: the rest comes from it alone, without verifying or serving onward what peers send.
+    """
+    logger.info("step %d: the source's uplink outpaces the swarm: fetching the rest from it alone", plan.terms.step)
+    plan.book.reserved.close()
+    plan.book.source_span = plan.book.span
+    return plan.give_up_on_peers("the source feeds this receive faster alone", logging.DEBUG)
 
 
 def connect_overdue(lane: Lane, lanes: Sequence[Lane], now: float) -> bool:
@@ -898,7 +918,7 @@ class ReceivePlanner:
         refused = self.out.digests_refused(xfer)
         if refused is not None:  # nothing peers send can be checked, or only reading ahead stops
             why = f"the source refused the digests: [{reply.code}] {reply.text}"
-            return self._give_up_on_peers(why) if refused else []
+            return self.give_up_on_peers(why) if refused else []
         question = self.peers.question(xfer) if self.peers is not None else None
         if question is not None:
             # A question about the swarm the source does not answer: no more members to learn of, no claims.
@@ -988,14 +1008,15 @@ class ReceivePlanner:
                 level = logging.DEBUG  # named once
         return actions
 
-    def _give_up_on_peers(self, why: str) -> list[Action]:
-        """Nothing peers send can be checked (the source refused the digests): fetch it all from the source."""
+    def give_up_on_peers(self, why: str, level: int | None = None) -> list[Action]:
+        """Nothing peers send can be checked (the source refused the digests), or the source feeds this
+        receive faster alone (:func:`step_aside`): fetch it all from the source."""
         assert self.digests is not None and self.peers is not None
         waiting = list(self.digests.pending)  # held, and now never to be checked
         actions: list[Action] = []
         for peer in list(self.peers.tokens):
             if not self.peers.dropped(peer):
-                actions += self.drop_peer(peer, why, believed=False)
+                actions += self.drop_peer(peer, why, level, believed=False)
         self.book.rejected(waiting)
         for request in list(self.registry.of(DigestRequest)):
             self.registry.settle(request.xfer, FORGOTTEN)  # their answers, when they come, are dropped

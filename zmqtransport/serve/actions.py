@@ -66,6 +66,7 @@ class Have:
     peers: tuple[wire.NamedPeer, ...] = ()
     coming: int = 0
     claimed: tuple[int, ...] | None = None  # to a member's claim: what the swarm reserved for it
+    alone: bool = False  # to a member: this side's uplink outpaces the swarm, fetch the rest from it alone
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,8 @@ class Outbox:
                         kind = f"transfer ended ({code})"
                         self._notices.warn(address, kind, time.monotonic(), text, step, address, message)
                     self._router.send(transfer.peer, [wire.error_reply(transfer.xfer, code, message)])
-                case Have(peer, xfer, bits, messages, peers, coming, claimed):
-                    self._router.send(peer, [wire.have_reply(xfer, bits, messages, peers, coming, claimed)])
+                case Have(peer, xfer, bits, messages, peers, coming, claimed, alone):
+                    self._router.send(peer, [wire.have_reply(xfer, bits, messages, peers, coming, claimed, alone)])
                 case Finish(transfer):
                     if transfer.key not in undelivered:
                         self._finish(action)

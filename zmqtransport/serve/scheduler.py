@@ -16,6 +16,7 @@ messages no receiver has yet first).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 
@@ -50,6 +51,24 @@ def receivers(address: str, staged: Staged, transfers: Iterable[Transfer], swarm
     for _, addresses in swarm.offers.values():
         hosts.update(addresses)
     return max(staged.receivers, len(hosts))
+
+
+def swarm_have(
+    swarm: Swarm, peer: bytes, request: wire.Request, address: str, staged: Staged,
+    pays: Callable[[], bool | None], now: float,
+) -> Have:
+    """The source's answer to ``have`` about its staged step: everything; to a member (``request.token``
+    its own, asked from ``address``: its paths there are believed too), the other members and what it
+    claimed, or ``alone`` once the step's measure says the swarm no longer pays (``pays``, Swarm.steps_aside)."""
+    token = request.token
+    if token is None:
+        return Have(peer, request.xfer, None, staged.messages)
+    swarm.seen(token, address)
+    if swarm.steps_aside(pays, now):
+        return Have(peer, request.xfer, None, staged.messages, alone=True)
+    peers = swarm.peers_for(token, request.names)
+    claimed = swarm.claim(token, request.claim, staged.messages) if request.claim else None
+    return Have(peer, request.xfer, None, staged.messages, peers or (), claimed=claimed)
 
 
 class Scheduler:
@@ -338,19 +357,14 @@ class Scheduler:
 
     def _have(self, peer: bytes, request: wire.Request, address: str, now: float) -> Have | Refuse:
         """What this side holds of ``request.stage``: as a swarm peer, what has landed; as the source,
-        everything, and the swarm's other members (``request.token`` is the asker's own: asked from
-        ``address``, that member's paths there are believed too)."""
-        token = request.token
+        everything, and to a member the swarm (:func:`swarm_have`)."""
         relayed = self.relaying.have(peer, request)
         if relayed is not None:
             return relayed
         staged = self.staged
         if staged is not None and staged.stage_id == request.stage:
-            if token is not None:
-                self.swarm.seen(token, address)
-            peers = self.swarm.peers_for(token, request.names) if token is not None else None
-            claimed = self.swarm.claim(token, request.claim, staged.messages) if token and request.claim else None
-            return Have(peer, request.xfer, None, staged.messages, peers or (), claimed=claimed)
+            hosts = functools.partial(receivers, address, staged, self.transfers.values(), self.swarm)
+            return swarm_have(self.swarm, peer, request, address, staged, lambda: self.uplink.step_pays(hosts), now)
         withdrawn = self.withdrawals.find(request.stage)
         if withdrawn is not None:  # a member whose receive ran at a disallow: what it may still ask for is kept
             return Have(peer, request.xfer, self.withdrawals.held(withdrawn, now), withdrawn.staged.messages)

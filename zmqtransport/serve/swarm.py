@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,9 @@ _Z85_DIGITS = {char: value for value, char in enumerate(_Z85_ALPHABET)}
 # Members one swarm remembers (the oldest go first); far above any realistic
 # number of replicas recovering at once from one source.
 MAX_MEMBERS = 1024
+# Seconds between two looks at whether the uplink's measure within the step says the swarm no longer pays
+# (Swarm.steps_aside): a member asks every 50 ms, and a look may count the hosts of every transfer.
+ASIDE_EVERY = 0.05
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class Swarm:
         # per asker), made afresh after one of them leaves.
         self.named: dict[bytes, list[tuple[bytes, bytes]]] = {}
         self._numbers = 0
+        # Whether this staging's swarm stepped aside (steps_aside), and when that was last looked at.
+        self.aside = False
+        self._aside_at = float("-inf")
 
     def join(self, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
         """A receiver offered to relay: its token, and the members it may fetch from (the newest last).
@@ -160,6 +166,25 @@ class Swarm:
         self.told[token] = frozenset(member.number for member in others)
         return tuple(m.number if m.number in told else (m.at, m.token, m.number) for m in others)
 
+    def steps_aside(self, pays: Callable[[], bool | None], now: float) -> bool:
+        """Whether the members should fetch the rest from the source alone (a have reply's ``alone``).
+
+        ``pays``: whether a swarm pays for the step's receivers by the uplink's
+        measure of this step (None: not measured enough yet). Members are made
+        while it pays, and with nothing measured (a job's first step, every
+        receiver asking at once) it is taken to pay. Where the step's own
+        measure then shows an uplink that feeds every receiver faster than
+        they relay (an unshaped NIC), the swarm costs each member 2-3x a
+        direct receive's CPU and time for nothing: told ``alone``, members drop
+        their peers and fetch the rest from the source in spans
+        (docs/protocol.md, "Swarm", "Stepping aside"). Once aside, a step stays
+        aside: its members have dropped their peers.
+        """
+        if not self.aside and self.members and now >= self._aside_at + ASIDE_EVERY:
+            self._aside_at = now
+            self.aside = pays() is False
+        return self.aside
+
     def claim(self, token: bytes, count: int, messages: int) -> tuple[int, ...] | None:
         """Reserve up to ``count`` consecutive messages of ``messages`` that no member has been reserved, for
         the member serving under ``token``: ``(first, stop)``; ``()`` when every message is reserved; None
@@ -186,7 +211,7 @@ class Swarm:
     def first_copies(self, ready: list[Transfer], staged: Served | None) -> list[Transfer]:
         """Of the ``ready`` transfers, while there are members, those whose next message of ``staged`` no
         receiver has been sent yet (not in :attr:`sent`), if any; else all of them (Scheduler.next_round)."""
-        if not self.members:
+        if not self.members or self.aside:  # members that fetch alone each walk the whole state
             return ready
         first = [t for t in ready if t.staged is staged and not self.sent >> t.next_seq & 1]
         return first or ready
@@ -205,6 +230,7 @@ class Swarm:
         self.sent = 0
         self.told = {}
         self.named = {}
+        self.aside, self._aside_at = False, float("-inf")
 
     def _forget_non_members(self) -> None:
         # One set per call: a check per entry against the list was O(members^2) at every leave.

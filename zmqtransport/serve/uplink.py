@@ -58,7 +58,7 @@ kernel's counters as numbers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 # Bytes per second of the source's uplink per receiver of the step from which it feeds
@@ -188,6 +188,12 @@ class Uplink:
         """Whether receivers that offer to relay should form a swarm, ``receivers`` fetching the step."""
         self._settle()
         return self.judged_rate is None or self.judged_rate < self.bound(receivers)
+
+    def step_pays(self, receivers: Callable[[], int]) -> bool | None:
+        """Whether a swarm pays for ``receivers()`` receivers by this step's own measure (None: too little
+        measured yet); ``receivers`` is called only then."""
+        rate = self.rate
+        return None if rate is None else rate < self.bound(receivers())
 
     def _settle(self) -> None:
         rate = self.rate

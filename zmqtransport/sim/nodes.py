@@ -221,7 +221,7 @@ class Server:
             elif isinstance(action, Have):
                 conn = self.conns[action.peer]
                 envelope = wire.have_reply(action.xfer, action.bits, action.messages, action.peers, action.coming,
-                                           action.claimed)
+                                           action.claimed, action.alone)
                 self.reply(conn, envelope, 0)
             elif isinstance(action, Refuse):
                 if action.peer in self.conns:
