@@ -304,8 +304,8 @@ def quick_uplink(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def measured_then_all(sender: ZMQTransport[Any], receivers: list[ZMQTransport[Any]], want: Any) -> tuple[str, int]:
-    """A first step to the first receiver alone (the source measures its uplink on it; with nothing
-    measured yet the swarm engages), then a second to all three, staggered, each receive checked
+    """A first step to the first receiver alone (the source measures its uplink on it; told of one
+    receiver, it serves it directly), then a second to all three, staggered, each receive checked
     bit-exact: the first receive's path, and the bytes the source uploaded for the second step."""
     sender.send_checkpoint([1], 1, want, TIMEOUT)
     assert same(receivers[0].recv_checkpoint(0, sender.metadata(), 1, TIMEOUT), want)
@@ -332,7 +332,7 @@ def test_the_swarm_steps_aside_where_the_source_feeds_its_receivers_faster_than_
     receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]
     want = state()
     first, sent = measured_then_all(sender, receivers, want)
-    assert first == "swarm"
+    assert first == "direct"  # a swarm of one relays to nobody
     ways = [r.last_recv_stats.path for r in receivers]
     if link_bound:
         assert ways == ["swarm"] * 3

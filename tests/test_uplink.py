@@ -307,3 +307,21 @@ def test_an_alone_answer_round_trips_and_anything_but_a_boolean_is_refused() -> 
         message = {"v": wire.PROTOCOL_VERSION, "op": wire.OP_HAVE, "id": 1, "alone": value}
         with pytest.raises(ProtocolError, match="alone"):
             wire.decode_reply(msgpack.packb(message), False, "the peer")
+
+
+@pytest.mark.parametrize("told", [0, 1])
+def test_a_step_told_one_receiver_serves_it_directly_until_another_host_asks(told: int) -> None:
+    """A swarm of one relays to nobody: the one receiver a step's sender named (torchft's dst_ranks: the
+    replica group healing) is served directly, measured or not; a host beyond the one told joins a swarm
+    as before. Not told how many (0), the first to ask is made a member, as before."""
+    scheduler = Scheduler(TIMEOUT)
+    step = staged()
+    step.receivers = told
+    scheduler.stage(step, 1000.0)
+    first = offer(scheduler, b"a", "10.0.0.1")
+    second = offer(scheduler, b"b", "10.0.0.2")
+    if told:
+        assert first.relay is None and not first.header_only
+    else:
+        assert first.relay is not None and first.header_only
+    assert second.relay is not None and second.header_only

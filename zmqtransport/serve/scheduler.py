@@ -53,6 +53,20 @@ def receivers(address: str, staged: Staged, transfers: Iterable[Transfer], swarm
     return max(staged.receivers, len(hosts))
 
 
+def swarm_pays(uplink: Uplink, address: str, staged: Staged, transfers: Iterable[Transfer], swarm: Swarm) -> bool:
+    """Whether the receiver at ``address`` that offers to relay is made a member (:mod:`.uplink`).
+
+    Not where its sender said one receiver would fetch the step (torchft's
+    ``dst_ranks``: the one replica group healing) and no other host has
+    asked: a swarm of one relays to nobody, and with nothing measured yet (a
+    source's first step) its member fetched in spans, 30% slower than the
+    direct credit loop over a fast link (docs/fast-links.md, "The first step
+    steps aside"). A host beyond the one told makes it a swarm again.
+    """
+    count = receivers(address, staged, transfers, swarm)
+    return not (staged.receivers == 1 and count == 1) and uplink.swarm_pays(count)
+
+
 def swarm_have(
     swarm: Swarm, peer: bytes, request: wire.Request, address: str, staged: Staged,
     pays: Callable[[], bool | None], now: float,
@@ -335,7 +349,7 @@ class Scheduler:
         if (
             request.relay is not None
             and (self.relay_loopback or not self.is_local(address))
-            and self.uplink.swarm_pays(receivers(address, staged, self.transfers.values(), self.swarm))
+            and swarm_pays(self.uplink, address, staged, self.transfers.values(), self.swarm)
         ):
             order = self.swarm.offer(peer, request.relay, address, self.make_token(), algorithm)
         # A member that verifies fetches in spans (from this side and the members, as they come): it
