@@ -146,7 +146,7 @@ def _receive_beside(on_have: Answer, on_span: Answer, caplog: pytest.LogCaptureF
     honest: ZMQTransport[Any] = ZMQTransport(TIMEOUT, bind_host=LOOPBACK)
     peer = None
     try:
-        source.send_checkpoint([1], 1, want, TIMEOUT)
+        source.send_checkpoint([1, 2], 1, want, TIMEOUT)  # the fake peer and the honest receiver
         messages = len(honest.fetch_digests(source.metadata(), 1).digests)
         peer = FakePeer(source.metadata(), messages, on_have, on_span)
         assert [member.at for member in source._server._scheduler.swarm.members] == [peer.endpoint]

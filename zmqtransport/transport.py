@@ -395,6 +395,9 @@ class ZMQTransport(CheckpointTransport[T]):
         (staging does not wait on a peer); ``None`` is accepted, as on receive.
         Of ``dst_ranks`` only their number counts: whether receivers that offer
         to relay form a swarm depends on how many share this side's uplink.
+        One rank (one replica group healing, as torchft passes) is served
+        directly while no other host asks: a swarm of one relays to nobody.
+        Pass ``[]`` when the number is not known.
         """
         self._check_open()
         self._after_return.stop()
