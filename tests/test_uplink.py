@@ -325,3 +325,22 @@ def test_a_step_told_one_receiver_serves_it_directly_until_another_host_asks(tol
     else:
         assert first.relay is not None and first.header_only
     assert second.relay is not None and second.header_only
+
+
+def test_members_made_on_an_earlier_steps_measure_stay_members_whatever_this_step_reads() -> None:
+    """Only a judgement made blind is revised within the step: members made because a measured step said a
+    swarm pays stay members, even where a few of this step's readings look fast (over tbf at 2 Gbit/s a
+    swarm's readings scatter to tens of GB/s: docs/sim.md, "Fast uplinks and many receivers")."""
+    scheduler = Scheduler(TIMEOUT)
+    scheduler.uplink.judged_rate = 50e6  # as a measured step left it: link-bound
+    step = staged()
+    step.receivers = 3
+    scheduler.stage(step, 1000.0)
+    assert not scheduler.uplink.blind
+    headers = [offer(scheduler, f"r{i}".encode(), f"10.0.0.{i}") for i in (1, 2, 3)]
+    read_links(scheduler.uplink, 4, UNSHAPED_LOADED, acked_per_reading=MIN_BYTES // 2)
+    answer = ask(scheduler, b"r1", headers[0], "10.0.0.1", 1000.1, claim=4)
+    assert not answer.alone and len(answer.peers) == 2 and answer.claimed == (0, 4)
+    # The next step follows this one's measure, as before: served directly.
+    scheduler.stage(staged(), 1001.0)
+    assert not scheduler.uplink.swarm_pays(3)

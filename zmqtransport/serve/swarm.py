@@ -170,7 +170,9 @@ class Swarm:
         """Whether the members should fetch the rest from the source alone (a have reply's ``alone``).
 
         ``pays``: whether a swarm pays for the step's receivers by the uplink's
-        measure of this step (None: not measured enough yet). Members are made
+        measure of this step (None: not measured enough yet, or the members
+        were made on an earlier step's measure, which stands:
+        :meth:`.uplink.Uplink.step_pays`). Members are made
         while it pays, and with nothing measured (a job's first step, every
         receiver asking at once) it is taken to pay. Where the step's own
         measure then shows an uplink that feeds every receiver faster than

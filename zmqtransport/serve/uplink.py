@@ -116,11 +116,13 @@ class Uplink:
         self._links: dict[int, LinkReading] = {}  # the latest reading per connection, of this step
         self.judged_rate: float | None = None  # the rate of the last step measured enough to believe
         self.measured: tuple[float | None, float | None] = (None, None)  # the last step's (link, cadence) rates
+        self.blind = True  # this step was staged with nothing measured before it (new_step)
 
     def new_step(self) -> None:
         """A new step is staged: a fresh measure (the last judgement stays until it has one)."""
         self._settle()
         self.measured = (self.link_rate, self.cadence_rate)
+        self.blind = self.judged_rate is None  # nothing measured before this step: its members are made blind
         self.sent_bytes, self.bytes, self.seconds, self._last, self._sent_then = 0, 0, 0.0, None, 0
         self.link_bytes, self.link_rates, self._links = 0, [], {}
 
@@ -190,10 +192,25 @@ class Uplink:
         return self.judged_rate is None or self.judged_rate < self.bound(receivers)
 
     def step_pays(self, receivers: Callable[[], int]) -> bool | None:
-        """Whether a swarm pays for ``receivers()`` receivers by this step's own measure (None: too little
-        measured yet); ``receivers`` is called only then."""
+        """Whether a swarm pays for ``receivers()`` receivers by this step's own measure, for a step staged
+        with nothing measured before it (:attr:`blind`); None: too little measured yet, or an earlier
+        judgement made its members. ``receivers`` is called only where it decides.
+
+        A judgement made blind is revised as soon as the step measures; one
+        made on a measured step stands for the step. Over links shaped with
+        tbf at 2 Gbit/s the kernel's readings of a swarm scatter (7 MB/s to
+        21 GB/s, docs/sim.md, "Fast uplinks and many receivers"), and a few
+        of them, early in a step, read fast: revising measured swarms on
+        them sent 4 of 6 later steps of seven receivers partly to the source
+        (1.4-4.3 states, up to 1.74 s against 0.9-1.2 s as a swarm; one
+        round, docs/fast-links.md, "The first step steps aside"). A wrong
+        "fast" sends every member to the source, a wrong "slow" costs a
+        swarm on a fast link: the measure that made the members is trusted.
+        """
         rate = self.rate
-        return None if rate is None else rate < self.bound(receivers())
+        if not self.blind or rate is None:
+            return None
+        return rate < self.bound(receivers())
 
     def _settle(self) -> None:
         rate = self.rate
