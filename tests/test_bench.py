@@ -738,3 +738,29 @@ def test_the_tcp_anchor_serves_on_when_a_receiver_dies_mid_transfer() -> None:
             serving.finish()
     finally:
         serving.close()
+
+
+def test_the_first_step_of_each_method_is_reported_beside_the_medians() -> None:
+    """A job start meets a source's first step (nothing measured: a swarm that steps aside once measured),
+    and medians over trials hide it: the lab table and the JSON give each method's first trial's slowest
+    receiver; with a warm-up no trial is a first step."""
+    from zmqtransport.bench.config import LabSpec, Scenario
+    from zmqtransport.bench.report import format_lab_result
+    from zmqtransport.bench.runner import ScenarioResult, Trial, summarize
+
+    def trial(method: str, number: int, seconds: list[float]) -> Trial:
+        return Trial(method, number, seconds, [], [0, 0], 0, 0.0, [0, 0], [0])
+
+    scenario = Scenario("fast-1to3", 256 << 20, 4 << 20, receivers=2, methods=("zmq-fresh", "http-4"),
+                        lab=LabSpec(shaped=False))
+    trials = [trial(m, n, [s, s / 2]) for n, s in enumerate((0.9, 0.4, 0.5)) for m in ("zmq-fresh", "http-4")]
+    summary = summarize(scenario, trials)
+    assert summary["zmq-fresh"].first_step_s == 0.9 and summary["zmq-fresh"].slowest_s == 0.5
+    table = format_lab_result(ScenarioResult(scenario, trials, summary, 1.0, True))
+    header = next(line for line in table.splitlines() if line.startswith("method "))
+    assert "1st step s" in header
+    row = next(line for line in table.splitlines() if line.startswith("zmq-fresh "))
+    assert row.split()[1:4] == ["0.500", "0.250", "0.900"]
+    warmed = Scenario("fast-1to3", 256 << 20, 4 << 20, receivers=2, methods=("zmq-fresh",), warmup=1,
+                      lab=LabSpec(shaped=False))
+    assert summarize(warmed, trials)["zmq-fresh"].first_step_s is None

@@ -182,13 +182,19 @@ def _path_hosts(result: ScenarioResult) -> list[str]:
 
 
 def _lab_row(
-    result: ScenarioResult, entry: MethodSummary, ideal: float | None, hosts: list[str], anchors: list[str]
+    result: ScenarioResult,
+    entry: MethodSummary,
+    ideal: float | None,
+    hosts: list[str],
+    anchors: list[str],
+    first: bool = False,
 ) -> list[str]:
     total = result.scenario.total_bytes
     sent = sum(entry.source_sent)
     multi = result.scenario.receivers > 1
     row = [entry.method, _seconds(entry.slowest_s)]
     row += [_seconds(entry.fastest_s)] if multi else []
+    row += [_seconds(entry.first_step_s) if entry.first_step_s is not None else "-"] if first else []
     if ideal is not None:
         row += [f"{entry.slowest_s / ideal:.2f}"]
         row += [f"{entry.fastest_s / ideal:.2f}"] if multi else []
@@ -230,6 +236,8 @@ def format_lab_result(result: ScenarioResult) -> str:
     ideal = _ideal_s(result)
     multi = result.scenario.receivers > 1
     header = ["method", "slowest s", "fastest s"] if multi else ["method", "seconds"]
+    first = any(entry.first_step_s is not None for entry in result.summary.values())
+    header += ["1st step s"] if first else []
     # Unshaped links have no ideal: the ratios to the anchors of the same run instead.
     anchors = [a for a in result.summary if METHODS[a].anchor] if ideal is None else []
     if ideal is not None:
@@ -242,15 +250,21 @@ def format_lab_result(result: ScenarioResult) -> str:
         header.append("per NIC MiB")
     hosts = _path_hosts(result)
     header += ["recv paths MiB", "dup msgs"] if hosts else []
-    rows = [header] + [_lab_row(result, entry, ideal, hosts, anchors) for entry in result.summary.values()]
+    rows = [header] + [_lab_row(result, entry, ideal, hosts, anchors, first) for entry in result.summary.values()]
     explained = "state bytes / the nominal rate of one receiver's NICs together"
     lines = [_title(result)]
     if ideal is not None:
         lines.append(f"ideal: {_seconds(ideal)} s ({explained})")
     else:
         lines.append("unshaped links: no ideal; ratio columns: anchor seconds / method seconds (above 1 = faster)")
-    tail = [CPU_NOTE, *_path_notes(result), *_notes(result), *_disallow_lines(result)]
-    return "\n".join([*lines, *table(rows), *tail])
+    tail = [CPU_NOTE, *([FIRST_STEP_NOTE] if first else []), *_path_notes(result), *_notes(result)]
+    return "\n".join([*lines, *table(rows), *tail, *_disallow_lines(result)])
+
+
+FIRST_STEP_NOTE = (
+    "1st step s: the slowest receiver of the method's first trial, its source's first step (nothing measured "
+    "yet, as at a job start); the other columns are medians over trials"
+)
 
 
 def _disallow_lines(result: ScenarioResult) -> list[str]:

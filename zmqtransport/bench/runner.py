@@ -265,6 +265,9 @@ class MethodSummary:
     # Receives by how their data came ("direct", "striped", "swarm"), all trials together (ZMQTransport only).
     ways: dict[str, int] = field(default_factory=dict)
     cut_s: float | None = None  # median time of the cut (CutMethod)
+    # The slowest receiver of the method's first trial, where the scenario has no warm-up: its source's first
+    # step (nothing measured yet; what a job start meets), which the medians above hide.
+    first_step_s: float | None = None
     ratios: dict[str, float] = field(default_factory=dict)
     # CPU seconds per GiB moved (medians over trials): each receiver's process per GiB it received (the
     # mean over receivers, and the busiest), the source's per GiB delivered to all receivers, and every
@@ -552,6 +555,7 @@ def summarize(scenario: Scenario, trials: Sequence[Trial]) -> dict[str, MethodSu
             duplicates=max(sum(t.duplicates) for t in mine),
             ways=dict(Counter(way for t in mine for way in t.recv_ways if way)),
             cut_s=_median_or_none([t.cut_s for t in mine]),
+            first_step_s=None if scenario.warmup else max(min(mine, key=lambda t: t.trial).seconds),
             **_cpu_summary(scenario.total_bytes * (2 if scenario.warm else 1), mine),
             **_disallow_summary(mine),
         )
