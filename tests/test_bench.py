@@ -694,6 +694,7 @@ def test_issue33_targets_fast_links_and_the_relaying_cpu() -> None:
     one = result("fast-1to1", 1, fast, {"zmq-inplace": (0.2, 1), "zmq-fresh": (0.3, 1), "http-4": (0.25, 1),
                                         "tcp-reused-4": (0.11, 1)})  # fmt: skip
     three = result("fast-1to3", 3, fast, {"zmq-fresh": (1.4, 1), "http-4": (0.6, 1)})
+    three.summary["zmq-fresh"].first_step_s = 2.0  # the source's first step, beside the median
     shaped = result("lab-1to3", 3, LabSpec(), {"zmq-fresh": (1.0, 2.9), "zmq-norelay": (2.0, 1.0)})
     targets = [t for t in evaluate_targets([one, three, shaped]) if t.issue == 33]
     verdicts = {(t.scenario, t.text): (round(t.measured, 2), t.holds) for t in targets}
@@ -702,6 +703,7 @@ def test_issue33_targets_fast_links_and_the_relaying_cpu() -> None:
         ("fast-1to1", "zmq-fresh speed / http-4"): (0.83, False),
         ("fast-1to1", "zmq-inplace speed / tcp-reused-4"): (0.55, False),
         ("fast-1to3", "zmq-fresh speed / http-4 (slowest receivers)"): (0.43, False),
+        ("fast-1to3", "zmq-fresh speed on its source's first step / http-4 (slowest receivers)"): (0.3, False),
         ("lab-1to3", "zmq-fresh receiver CPU per GiB (mean) / zmq-norelay's"): (2.9, False),
     }
     # Issue 13's shaped-link targets leave the unshaped rows alone.
