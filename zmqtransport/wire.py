@@ -66,6 +66,11 @@ MAX_PEERS = 64  # peers one swarm member is told about (a relay order, a have re
 # How a have question asks the source to name the other members (NamedPeer, below).
 NAMES_PLAIN, NAMES_FULL, NAMES_SHORT = 0, 1, 2
 MAX_NAME_NUMBER = 2**32 - 1
+MAX_DIGEST_BYTES = 64  # one digest (both algorithms give 32 bytes)
+# Most storages and tensor-table entries one header may describe. Each costs the
+# receiver Python objects and an allocation even when empty, so without a cap a
+# header of zero-sized storages could exhaust memory while claiming no bytes.
+MAX_TENSORS = 1 << 20
 
 
 # What a rank orders (rank's ``order``): whom the source names to a member, and whom a member keeps of them.
@@ -80,11 +85,6 @@ def rank(order: bytes, asker: bytes, member: bytes) -> bytes:
     for both, a member kept the first half of what the source named, and in the model 256 receivers took
     1.75-1.79x the ideal, against 1.69-1.70x."""
     return hashlib.blake2b(order + asker + member, digest_size=8).digest()
-MAX_DIGEST_BYTES = 64  # one digest (both algorithms give 32 bytes)
-# Most storages and tensor-table entries one header may describe. Each costs the
-# receiver Python objects and an allocation even when empty, so without a cap a
-# header of zero-sized storages could exhaust memory while claiming no bytes.
-MAX_TENSORS = 1 << 20
 
 
 def pack(message: dict[str, Any]) -> bytes:

@@ -187,7 +187,7 @@ def _lab_row(
     ideal: float | None,
     hosts: list[str],
     anchors: list[str],
-    first: bool = False,
+    first: bool,
 ) -> list[str]:
     total = result.scenario.total_bytes
     sent = sum(entry.source_sent)
@@ -257,8 +257,9 @@ def format_lab_result(result: ScenarioResult) -> str:
         lines.append(f"ideal: {_seconds(ideal)} s ({explained})")
     else:
         lines.append("unshaped links: no ideal; ratio columns: anchor seconds / method seconds (above 1 = faster)")
-    tail = [CPU_NOTE, *([FIRST_STEP_NOTE] if first else []), *_path_notes(result), *_notes(result)]
-    return "\n".join([*lines, *table(rows), *tail, *_disallow_lines(result)])
+    notes = [*([FIRST_STEP_NOTE] if first else []), *_path_notes(result), *_notes(result)]
+    tail = [CPU_NOTE, *notes, *_disallow_lines(result)]
+    return "\n".join([*lines, *table(rows), *tail])
 
 
 FIRST_STEP_NOTE = (

@@ -207,10 +207,9 @@ class Uplink:
         "fast" sends every member to the source, a wrong "slow" costs a
         swarm on a fast link: the measure that made the members is trusted.
         """
-        rate = self.rate
-        if not self.blind or rate is None:
+        if not self.blind or self.rate is None:
             return None
-        return rate < self.bound(receivers())
+        return self.swarm_pays(receivers())  # the step's rate, now its judgement
 
     def _settle(self) -> None:
         rate = self.rate
