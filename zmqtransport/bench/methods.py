@@ -15,6 +15,7 @@ times ``receive(step)``; ``Serving.finish()``.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 import threading
@@ -401,6 +402,9 @@ class ZmqMethod:
     verify: str = "relayed"  # the receiver's option (issue 21); "all": every message checked against its digest
     # Options of this variant on both sides (issue 33's A/B rows: chunk_bytes, io_threads), over the run's knobs.
     options: tuple[tuple[str, Any], ...] = ()
+    # The source keeps a swarm whatever its uplink measures (no user option: the model's calibration, docs/sim.md,
+    # needs a swarm over unshaped links, where the source would serve its receivers directly).
+    swarm_always: bool = False
 
     def _transport(self, env: SendEnv | RecvEnv, **extra: Any) -> ZMQTransport[Any]:
         hosts = env.place.hosts
@@ -409,6 +413,9 @@ class ZmqMethod:
 
     def serve(self, env: SendEnv) -> Serving:
         transport = self._transport(env)
+        if self.swarm_always:
+            # Before any step is staged: the serving thread reads the bound only once receivers ask.
+            transport._server._scheduler.uplink.per_receiver = math.inf
         return _TransportServing(env, transport, transport.metadata())
 
     def receiver(self, env: RecvEnv) -> Receiving:
@@ -611,6 +618,7 @@ METHODS: dict[str, Method] = {
         ZmqMethod("zmq-inplace-1s", into_targets=True, streams=1),
         ZmqMethod("zmq-inplace-4s", into_targets=True, streams=4),
         ZmqMethod("zmq-norelay", into_targets=False, relay=False),
+        ZmqMethod("zmq-fresh-swarm", into_targets=False, swarm_always=True),
         # A member stops serving as its receive returns (before relay_after_return, and as one in place does).
         ZmqMethod("zmq-fresh-tail", into_targets=False, options=(("relay_after_return", False),)),
         ZmqMethod("zmq-inplace-verify", into_targets=True, verify="all"),
@@ -658,6 +666,7 @@ VARIANTS = frozenset(
         "zmq-inplace-4s",
         "zmq-inplace-cut",
         "zmq-norelay",
+        "zmq-fresh-swarm",
         "zmq-inplace-verify",
         "zmq-fresh-verify",
         "zmq-inplace-c4m",
