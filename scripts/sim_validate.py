@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue 35, item 2: run the validation's cases in the lab and record their figures; or compare the model.
 
-    python scripts/sim_validate.py lab [--reps 2] [--only NAME ...] [--large]   # needs root; writes lab_points.json
+    python scripts/sim_validate.py lab [--reps 2] [--only NAME ...] [--large] [--merge]  # root; writes lab_points.json
     python scripts/sim_validate.py compare [--only NAME ...] [--large]           # the model beside the recorded points
 
 ``lab`` runs each case (zmqtransport/sim/validation.py) through the benchmark (``zmq-fresh``, fresh receiver
@@ -36,6 +36,13 @@ MIB = 1 << 20
 
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def scenario_of(case: Case, mib: float, reps: int) -> Scenario:
@@ -97,6 +104,12 @@ def run_lab(case: Case, mib: float, reps: int) -> dict[str, Any]:
         "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s": round(time.monotonic() - started, 1),
     }
+    return summarized(point, total)
+
+
+def summarized(point: dict[str, Any], total: int) -> dict[str, Any]:
+    """``point`` with the medians over its trials (of ``total`` state bytes), if any completed."""
+    trials = point["trials"]
     if trials:
         point.update({
             "slowest_s": round(statistics.median(t["slowest_s"] for t in trials), 4),
@@ -112,6 +125,18 @@ def run_lab(case: Case, mib: float, reps: int) -> dict[str, Any]:
     return point
 
 
+def merged(before: dict[str, Any], point: dict[str, Any], total: int) -> dict[str, Any]:
+    """``point``'s trials added to an earlier run's of the same case (``--merge``): the medians over all."""
+    if before.get("mib") != point["mib"]:
+        return point
+    point["trials"] = before["trials"] + point["trials"]
+    point["failed_trials"] = before["failed_trials"] + point["failed_trials"]
+    point["when"] = f"{before['when']}; {point['when']}"
+    point["uptime_before"] = before["uptime_before"]
+    point["wall_s"] = round(before["wall_s"] + point["wall_s"], 1)
+    return summarized(point, total)
+
+
 def chosen(args: argparse.Namespace) -> list[Case]:
     every = validation.large_cases() if args.large else validation.cases()
     return [validation.by_name(n) for n in args.only] if args.only else every
@@ -124,8 +149,11 @@ def lab(args: argparse.Namespace) -> int:
         mib = args.mib if args.mib is not None else validation.MIB
         point = run_lab(case, mib, args.reps)
         data = validation.load_lab_points(args.out)  # re-read: rows run one at a time are merged
-        data["machine"] = {"cpus": os.cpu_count(), "note": "shared with three other sessions' work"}
-        data["command"] = "python scripts/sim_validate.py lab --reps N [--only CASE]"
+        before = data.get("points", {}).get(case.name)
+        if args.merge and before is not None:
+            point = merged(before, point, int(mib * MIB))
+        data["machine"] = {"cpus": os.cpu_count(), "cpu": _cpu_model(), "load": "see each trial's uptime"}
+        data["command"] = "python scripts/sim_validate.py lab --reps N [--only CASE] [--merge]"
         data.setdefault("points", {})[case.name] = point
         args.out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         print(json.dumps({k: v for k, v in point.items() if k != "trials"}))
@@ -163,6 +191,7 @@ def main() -> int:
     parser.add_argument("--large", action="store_true", help="the item-4 cases (as many receivers as fit)")
     parser.add_argument("--mib", type=float, default=None, help="state size (default the validation's)")
     parser.add_argument("--out", type=Path, default=LAB_POINTS)
+    parser.add_argument("--merge", action="store_true", help="lab: add the trials to a case's recorded ones")
     args = parser.parse_args()
     return lab(args) if args.what == "lab" else compare(args)
 

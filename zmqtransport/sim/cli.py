@@ -42,8 +42,9 @@ STEP_0 = 0
 def host(name: str, mbit: float, latency: float, cores: model.Cores, tbf: bool = False) -> model.Host:
     """``tbf``: the link is a tbf-shaped veth of the lab, whose kernel costs CPU per byte (sim/model.py)."""
     bps = mbit * 1e6
-    up = model.Link(bps, cpu_per_byte=model.TBF_SEND_PER_BYTE if tbf else 0.0, cores=cores)
-    down = model.Link(bps, cpu_per_byte=model.TBF_RECV_PER_BYTE if tbf else 0.0, cores=cores)
+    burst = model.TBF_BURST_BYTES if tbf else 0.0
+    up = model.Link(bps, cpu_per_byte=model.TBF_SEND_PER_BYTE if tbf else 0.0, cores=cores, burst=burst)
+    down = model.Link(bps, cpu_per_byte=model.TBF_RECV_PER_BYTE if tbf else 0.0, cores=cores, burst=burst)
     return model.Host(name, up, down, latency, cores)
 
 

@@ -1,37 +1,53 @@
 """The model's hosts: links (uplink, latency, downlink), CPU (threads on a pool of cores), and the
 calibration constants, all in one place with their source.
 
-Per-byte floors (docs/fast-links.md, "Results"; docs/performance.md, "Fast links"): the bare libzmq
-receive loop about 0.45 CPU-s/GiB, the source's send about 0.5 CPU-s/GiB, SHA-256 of relayed bytes
-0.53-0.56 CPU-s/GiB, a member's copy of a landed message and its send 0.35 CPU-s/GiB.
+**Calibration (2026-12-06, this machine: 2 Intel Xeon vCPUs, quiet).** Four lab runs of the validation's
+state (64 MiB as 256 data messages of 256 KiB, three receivers, cold processes; ``python -m
+zmqtransport.bench --scenario fast-1to3 --total 64M --methods zmq-fresh-swarm,zmq-norelay --reps 5
+--profile --no-cprofile``, and ``scripts/sim_validate.py lab``'s ``shaped-equal-3``), CPU seconds per
+process from just before the receives to the trial's end, medians of 5 (3 shaped):
 
-Per-message figures (recalibrated for issue 35's validation, 2026-12-03). The first calibration took a
-member's CPU, 0.462 CPU-s per 64 MiB, from a ``--profile`` run (cProfile on the receiving thread, load
-8.9) and charged all of its excess over a direct receive to relaying (1.6 ms a message), where the
-serving thread itself measured 0.090; unprofiled, the validation's lab runs measure 0.38 per member of
-three, and the model cost 1.5-1.7x the lab's CPU per member at 7 and 11 receivers. Each figure now
-is from a measurement named here, 64 MiB as 256 KiB frames (256 data messages), CPU seconds:
+======================  =================  =============  ======================
+run                     each receiver      the source     per thread (receiver)
+======================  =================  =============  ======================
+unshaped, direct        0.055              0.081          main 0.02-0.03, prefault 0.02, I/O 0.01
+unshaped, a swarm       0.171-0.176        0.146          main 0.09-0.10, serve 0.02-0.03, I/O 0.02
+shaped, a swarm         0.218-0.222        0.165
+======================  =================  =============  ======================
 
-* serve onward (a member): the relay-serving thread's own CPU, 0.090 for the ~170 messages a member of
-  three serves (docs/fast-links.md, "Per thread": per thread, not under cProfile), less their copy
-  (0.35 CPU-s/GiB): 0.44 ms a message;
-* receive: ``scripts/sim_validate.py`` row ``unshaped-equal-3`` (zmqtransport/sim/lab_points.json), each
-  receiver's process 0.20-0.23 CPU-s, less the floors, the relaying above and its control messages:
-  0.2 ms a message;
-* the source: the same row, the source's process 0.188 CPU-s for 64.6 MiB sent, less the floors, its
-  hashing and its control messages: 0.36 ms a message;
-* a control message: 0.03 ms on each side. Not measured apart: a pyzmq ``recv_multipart`` and a
-  msgpack decode of a small message are tens of microseconds, and 0.03 ms keeps ``unshaped-equal-3``'s
-  receivers at what the lab measured (0.1 ms, the first guess, put them 25% over);
-* the lab's tbf-shaped veths (``tbf=True``: the validation's shaped rows only; no real NIC): the same
-  cases shaped cost each receiver 0.16 CPU-s and the source 0.037 more than unshaped (rows
-  ``shaped-equal-3`` against ``unshaped-equal-3``): 0.6 CPU-s/GiB sent (the source sends 64.6 MiB) and
-  2.2 CPU-s/GiB received (a member receives 64 MiB and sends ~43 MiB). Packets at 400 Mbit/s come one
-  MTU at a time, where an unshaped veth moves 64 KiB segments.
+(``zmq-fresh-swarm``: the source keeps the swarm whatever it measures, a benchmark-only method; over
+unshaped links it would step aside. Shaped: the validation's first run of three trials; its second run of
+five measured 0.23-0.26 and 0.19.) The figures below give 0.056 / 0.082 CPU-s for the direct receive and
+its source, 0.167 / 0.148 for the unshaped swarm and 0.226 / 0.179 shaped (within 5%, the shaped source
+8% over), and the unshaped times 0.332 s and 0.125 s against 0.348 and 0.127 (shaped 1.58 s against
+1.51), with the counts the model gives for the same runs: a member of three receives about 590 control
+messages or sends them (about 155 of them between members) and serves 170 messages onward; the source of
+the swarm handles 853 control messages, of the direct receives 108.
 
-So the model reproduces the 3-receiver lab's CPU by construction; what it predicts is how that CPU and
-the times grow with the number of receivers, mixed links and a killed member (docs/sim.md, "Validation
-against the lab").
+* per byte: the copy out of libzmq (``RECV_PER_BYTE``, the bare loop's floor) and a member's copy and
+  send of what it serves (``RELAY_PER_BYTE``) as measured earlier (docs/fast-links.md); SHA-256 0.76
+  CPU-s/GiB (``hashlib`` on 256 KiB buffers here; 0.55 on the AMD host of the first calibration); the
+  source's send 0.30 CPU-s/GiB;
+* a pass of the owner's loop (fetch/owner.py drains what is ready, then the planner ticks once): the
+  planner's ``tick`` and ``wake_at``, 40 us and 2.7 us a lane (measured, below), and 15 us for the rest
+  of the loop's turn (fitted with the data message's figure to the direct receive), on the receiving
+  thread;
+* a control message: 0.09 ms on each side (the rest of a member's swarm work, its receiving thread
+  three to four times a direct receive's);
+* a data message: received 0.08 ms beyond its pass and bytes; served onward 0.025 ms (the serving
+  thread's 0.02-0.03 CPU-s, less its copies and its control messages); sent by the source 0.021 ms
+  (its direct sends: 0.081 CPU-s, less its control messages, at 0.30 CPU-s/GiB);
+* the lab's tbf-shaped veths (``tbf=True``: the validation's shaped rows only; no real NIC): a member
+  of the shaped swarm spends 0.046 CPU-s more than unshaped, the source 0.019: 0.30 CPU-s/GiB sent (the
+  source sends 64 MiB) and 0.53 CPU-s/GiB received (a member receives 64 MiB, sends ~43 MiB).
+
+The first calibration (2026-12-03, on an AMD host shared with three other sessions, load 7-18)
+charged 0.2 ms a data message received, 0.44 ms served onward, 0.36 ms sent by the source, 0.03 ms a
+control message and 2.2 / 0.6 CPU-s/GiB through tbf; the code has since halved a member's CPU (issue
+33's relaying and planner work) and the direct path's, and the machine changed. So the model
+reproduces the 3-receiver lab's CPU by construction; what it predicts is how that CPU and the times
+grow with the number of receivers, mixed links and a killed member (docs/sim.md, "Validation against
+the lab").
 """
 
 from __future__ import annotations
@@ -43,26 +59,31 @@ MIB = 1 << 20
 
 # CPU seconds per byte.
 RECV_PER_BYTE = 0.45 / GIB  # the copy out of libzmq's buffers into place (bare loop floor)
-HASH_PER_BYTE = 0.55 / GIB  # SHA-256 of a message a peer sent
+HASH_PER_BYTE = 0.76 / GIB  # SHA-256 of a message a peer sent
 RELAY_PER_BYTE = 0.35 / GIB  # a member's copy of a landed message, and its send
-SOURCE_PER_BYTE = 0.50 / GIB  # the source's send of a staged message
-SOURCE_HASH_PER_BYTE = 0.55 / GIB  # the source hashes each message once per staging (digest requests)
+SOURCE_PER_BYTE = 0.30 / GIB  # the source's send of a staged message
+SOURCE_HASH_PER_BYTE = 0.76 / GIB  # the source hashes each message once per staging (digest requests)
 # CPU seconds per message.
-RECV_PER_MESSAGE = 0.2e-3  # a data message received: wake-up, envelope, planner, bookkeeping
-RELAY_PER_MESSAGE = 0.44e-3  # a data message a member serves onward: the serving thread's wake-up, its send
-SOURCE_PER_MESSAGE = 0.36e-3  # a data message the source sends
-CONTROL_PER_MESSAGE = 0.03e-3  # a control message, on each side (sent or received)
+RECV_PER_MESSAGE = 0.08e-3  # a data message received: wake-up, envelope, planner, bookkeeping
+RELAY_PER_MESSAGE = 0.025e-3  # a data message a member serves onward: the serving thread's wake-up, its send
+SOURCE_PER_MESSAGE = 0.021e-3  # a data message the source sends
+CONTROL_PER_MESSAGE = 0.09e-3  # a control message, on each side (sent or received)
 # A pass of the receive planner (tick and wake_at) walks its lanes: two per peer (data, questions) and
-# the source's. Measured in this simulator (time.perf_counter around the real planner's tick and
-# wake_at, 64 MiB, 2026-12-04): 85 us a pass at 6 lanes (3 receivers), 113 at 14, 119 at 22, 158 at 32,
-# 240 at 64 (32 receivers): about 2.7 us a lane. The per-message figures above were calibrated at three
-# receivers (6 lanes), where passes are part of RECV_PER_MESSAGE, so only the lanes past those are
-# charged: nothing at 3 receivers, 0.32 ms a pass at 64 (126 lanes).
+# the source's. Measured in this simulator (time.perf_counter around the real planner's tick and wake_at,
+# 64 MiB, shaped; 2026-12-06, this machine): 56 us a pass at 6 lanes (3 receivers), 92 at 22 (11), 214 at
+# 64 (32): 40 us and 2.7 us a lane (the AMD host of 2026-12-04: 85 us at 6 lanes, 240 at 64). A pass of
+# the owner's loop costs 15 us more (its poll and bookkeeping; fitted). Every pass is charged (until
+# 2026-12-06 only the lanes past six were, the rest counted in a data message's cost).
 PASS_PER_LANE = 2.7e-6
-CALIBRATED_LANES = 6
+PASS_BASE = 55e-6
 # The kernel's CPU per byte through one of the lab's tbf-shaped veths (only with ``tbf``; see above).
-TBF_RECV_PER_BYTE = 2.2 / GIB
-TBF_SEND_PER_BYTE = 0.6 / GIB
+TBF_RECV_PER_BYTE = 0.53 / GIB
+TBF_SEND_PER_BYTE = 0.30 / GIB
+# A tbf link's bucket and queue (lab.Shaping's burst and limit), and the speed a veth moves what the bucket
+# covers. Bytes in flight to a host whose downlink is shaped: at most the queue's, from all senders together.
+TBF_BURST_BYTES = 256 << 10
+TBF_LIMIT_BYTES = 4 << 20
+VETH_BPS = 10e9
 
 # Bytes in flight from one host to another at most (sent, not yet received): the stand-in for the
 # kernel's socket buffers, libzmq's pipe and the server's copy bound. A slow receiver's sender waits.
@@ -137,6 +158,14 @@ class Link:
     :data:`TBF_RECV_PER_BYTE`, :data:`TBF_SEND_PER_BYTE`), booked on the host's cores as the bytes
     enter the link (softirq work runs on a core, not on the process's threads, so it delays no thread's
     queue but takes the cores' capacity) and counted as the host's CPU.
+
+    ``burst``: a tbf link's bucket (the lab's :class:`~zmqtransport.lab.Shaping`, 256 KiB). Tokens
+    accrue at ``bps`` while the link is idle, up to the bucket, and bytes covered by tokens pass at the
+    veth's own speed (:data:`VETH_BPS`): an idle gap of up to a bucket's time costs a shaped link no
+    throughput. Without it (0: a NIC's line rate, which no burst exceeds) the link is a plain FIFO.
+    Measured: the lab's three receivers of 64 MiB at 400 Mbit/s took 1.14x the ideal, the model
+    without the bucket 1.34x (members' downlinks idle in gaps of a few milliseconds, 15% of the time),
+    with it 1.17x (docs/sim.md, "Validation against the lab").
     """
 
     bps: float
@@ -144,11 +173,25 @@ class Link:
     cpu_per_byte: float = 0.0
     cores: Cores | None = None
     kernel_busy: float = 0.0
+    burst: float = 0.0
+    _tokens: float = field(default=0.0, init=False)
+    _tokens_at: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        self._tokens = self.burst
 
     def carry(self, now: float, size: int) -> float:
         """A message of ``size`` bytes ready at ``now``: when its last bit is through."""
         start = max(now, self.free_at)
-        self.free_at = start + size * WIRE_OVERHEAD * 8 / self.bps
+        wire_bytes = size * WIRE_OVERHEAD
+        rate = self.bps / 8
+        if self.burst:
+            tokens = min(self.burst, self._tokens + (start - self._tokens_at) * rate)
+            covered = min(tokens, wire_bytes)
+            self.free_at = start + covered * 8 / VETH_BPS + (wire_bytes - covered) / rate
+            self._tokens, self._tokens_at = tokens - covered, self.free_at
+        else:
+            self.free_at = start + wire_bytes / rate
         if self.cpu_per_byte and self.cores is not None:
             cost = size * self.cpu_per_byte
             self.cores.take(start, cost)
@@ -179,5 +222,5 @@ class Host:
 
 
 def pass_cost(lanes: int) -> float:
-    """CPU seconds one planner pass costs a receive with ``lanes`` lanes, over the calibration's own."""
-    return PASS_PER_LANE * max(0, lanes - CALIBRATED_LANES)
+    """CPU seconds one planner pass costs a receive with ``lanes`` lanes."""
+    return PASS_BASE + PASS_PER_LANE * lanes

@@ -35,11 +35,16 @@ KILL_LEAD_S = 0.2  # bench.config.Kill.lead_s
 KILL_AT = 0.4  # bench.config.Kill.at_fraction
 TOLERANCE = 0.15  # issue 35: per-receiver times within 15%
 # Cases the model misses, and why (docs/sim.md, "Validation against the lab"); the CI check skips them.
+_LATE_SWITCH = (
+    "unshaped links at 11 receivers, CPU-bound on two shared cores: the model's swarm steps aside later than the "
+    "lab's (its source uploaded 5.8-6.4 states, the lab's 7.4-7.7), and the swarm is the slower path there: the "
+    "median receiver 15-17% slower than the lab's"
+)
 KNOWN_MISSES = {
-    name: "unshaped links: the model is 16-40% faster than the lab, whose processes measured about the CPU the "
-    "model charges but did not get the two cores to themselves (three other sessions' work, load 4-16, and the "
-    "kernel's forwarding through veths and the bridge, which is not charged to the lab's processes)"
-    for name in ("unshaped-equal-3", "unshaped-equal-7", "unshaped-equal-11", "unshaped-kill-3", "unshaped-kill-11")
+    "shaped-mixed-3": "the quarter-rate receiver: the model's takes 1.25x its own link's ideal, the lab's 1.05x, "
+    "and the model's source sends 1.39 states where the lab's sent 1.08 (its spans asked again of the source)",
+    "unshaped-equal-11": _LATE_SWITCH,
+    "unshaped-kill-11": _LATE_SWITCH,
 }
 SEEDS = (0,)  # the model's draws (who asks first within a millisecond): one, so that CI runs it in seconds
 
