@@ -61,6 +61,15 @@ def test_a_blind_swarm_steps_aside_once_the_kernel_reads_a_fast_uplink() -> None
     assert slow["upload_over_state"] < 1.1
 
 
+def test_members_ask_the_source_for_digests_in_few_long_runs() -> None:
+    """Every digest request is a control message the source's one serving thread handles; at a job start of
+    256 members short read-ahead runs (8 messages, 32 requests a member) made the source the bound in the
+    model (docs/sim.md, "The model recalibrated"). 256 messages: 8 requests a member, not 32."""
+    result = simulate(8, mib=64)
+    assert result["completed"] == 8
+    assert result["control_by_kind_per_receiver"]["digests to the source"] <= 10
+
+
 def test_one_receiver_takes_about_the_ideal_time() -> None:
     result = simulate(1, **SMALL)
     assert result["completed"] == 1

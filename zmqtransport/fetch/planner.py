@@ -91,8 +91,14 @@ LATE_PEERS = 4
 # (50-180 ms measured in the lab at 400 Mbit/s), and a member forwards only
 # what it has verified: without read-ahead that wait is paid at every hop.
 # The source hashes each message once per staging whatever asks for it.
-AHEAD_REQUESTS = 4  # read-ahead requests out at once (the source allows 16 digest requests per peer)
-AHEAD_RUN = 8  # messages per read-ahead request
+# Few long runs, not many short ones: every digest request is a control message
+# the source's serving thread handles, and at a job start of 256 members those
+# made the source the bound in the model (4 runs of 8 out: 2.31x the ideal, the
+# source's thread busy 11.9 s of a 12.4 s receive; 2 runs of 32: 1.76x, 6.9 s;
+# docs/sim.md, "The model recalibrated"). A run of 32 is 1 KiB of digests, and
+# the source hashes it over several rounds (serve/digests.py bounds a round).
+AHEAD_REQUESTS = 2  # read-ahead requests out at once (the source allows 16 digest requests per peer)
+AHEAD_RUN = 32  # messages per read-ahead request
 # A read-ahead unanswered this long is cancelled and reading ahead stops: a
 # source staging device memory hashes a message only as it sends it to a
 # peer, so it answers a run only once it has sent all of it (its messages'
