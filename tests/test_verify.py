@@ -27,6 +27,7 @@ from zmqtransport.errors import IntegrityError, ProtocolError
 from zmqtransport.fetch.liveness import RECONNECT_GRACE
 from zmqtransport.fetch.planner import (
     AHEAD_PATIENCE,
+    AHEAD_FIRST_RUN,
     AHEAD_REQUESTS,
     AHEAD_RUN,
     Action,
@@ -143,19 +144,21 @@ def test_a_receive_with_peers_reads_digests_ahead_and_a_refused_read_ahead_only_
     assert check is not None
     sent = _asked(plan, plan.tick(0.0))
     requests = sorted(check.requests.values(), key=lambda r: r.first)
-    runs = [(n * AHEAD_RUN, (n + 1) * AHEAD_RUN, True) for n in range(AHEAD_REQUESTS)]
+    # A short first run (its answer releases what peers send first), then long ones (few requests to the source).
+    bounds = [0, AHEAD_FIRST_RUN] + [AHEAD_FIRST_RUN + n * AHEAD_RUN for n in range(1, AHEAD_REQUESTS)]
+    runs = [(bounds[n], bounds[n + 1], True) for n in range(AHEAD_REQUESTS)]
     assert [(r.first, r.stop, r.ahead) for r in requests] == runs
-    assert len(sent) == AHEAD_REQUESTS
-    reply = wire.Reply("digests", requests[0].xfer, False, seq=0, dg=b"d" * 32 * AHEAD_RUN)
+    assert AHEAD_FIRST_RUN < AHEAD_RUN and len(sent) == AHEAD_REQUESTS
+    reply = wire.Reply("digests", requests[0].xfer, False, seq=0, dg=b"d" * 32 * AHEAD_FIRST_RUN)
     plan.on_reply(0, reply, "the source", 0.05)
     plan.tick(0.1)
-    assert max(r.stop for r in check.requests.values()) == (AHEAD_REQUESTS + 1) * AHEAD_RUN  # the next run
+    assert max(r.stop for r in check.requests.values()) == bounds[-1] + AHEAD_RUN  # the next run, a long one
     # The source refuses one (it may hash device memory only as it sends it): reading ahead stops,
     # peers are still used, and what it covered is asked for as spans reach it.
     assert plan.out.digests_refused(requests[1].xfer) is False and not plan.out.reads_ahead
     assert _asked(plan, plan.tick(0.2)) == []
     assert plan.out.digests_refused(12345) is None  # not a digest request of this receive
-    assert check.wanted(AHEAD_RUN, AHEAD_RUN + 1) == [(AHEAD_RUN, AHEAD_RUN + 1)]
+    assert check.wanted(bounds[1], bounds[1] + 1) == [(bounds[1], bounds[1] + 1)]
 
 
 def test_a_read_ahead_the_source_does_not_answer_soon_is_cancelled_and_reading_ahead_stops() -> None:

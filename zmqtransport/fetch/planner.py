@@ -97,8 +97,12 @@ LATE_PEERS = 4
 # source's thread busy 11.9 s of a 12.4 s receive; 2 runs of 32: 1.76x, 6.9 s;
 # docs/sim.md, "The model recalibrated"). A run of 32 is 1 KiB of digests, and
 # the source hashes it over several rounds (serve/digests.py bounds a round).
+# The first run is short: its answer releases what peers sent first, and the
+# source answers a run only once all of it is hashed (32 MiB in 1 MiB frames
+# took 150-200 ms on a busy source, 8 MiB a quarter of that).
 AHEAD_REQUESTS = 2  # read-ahead requests out at once (the source allows 16 digest requests per peer)
 AHEAD_RUN = 32  # messages per read-ahead request
+AHEAD_FIRST_RUN = 8  # ... the first of a receive's (or the first after a lost one)
 # A read-ahead unanswered this long is cancelled and reading ahead stops: a
 # source staging device memory hashes a message only as it sends it to a
 # peer, so it answers a run only once it has sent all of it (its messages'
@@ -497,7 +501,7 @@ class Outgoing:
             book.withdraw(request.xfer)
         out = sum(1 for request in plan.registry.of(DigestRequest) if request.ahead)
         while ahead and self.reads_ahead and out < AHEAD_REQUESTS:
-            run = book.ahead(self._ahead_from, AHEAD_RUN)
+            run = book.ahead(self._ahead_from, AHEAD_RUN if self._ahead_from else AHEAD_FIRST_RUN)
             if run is None:
                 break
             actions.append(self._digest_request(index, *run, now, True))
