@@ -22,6 +22,7 @@ from zmqtransport.fetch.claims import CLAIM_FLOOR, DROP_AFTER
 from zmqtransport.fetch.liveness import CONNECT_BOUND, RECONNECT_GRACE
 from zmqtransport.fetch.peers import HAVE_EVERY, QUESTION_BURST, QUESTION_FLOOR, QUESTION_PIPELINE
 from zmqtransport.fetch.planner import (
+    AHEAD_PATIENCE,
     CLAIM_MESSAGES,
     KEEPALIVE_EVERY,
     LATE_CONNECT_BOUND,
@@ -550,6 +551,35 @@ def test_digests_that_come_after_the_receive_gave_up_on_peers_are_dropped_not_a_
     net.answer(plain.stream, wire.error_reply(plain.xfer, wire.ERR_BAD_REQUEST, "no digests here"))
     assert net.plan.digests is None and 1 in net.closed  # gave up on peers
     for request in late:  # the source answers what it was asked before
+        blob = b"".join(digests.digest_of(SHA, payload(seq)) for seq in range(request.first, request.stop))
+        net.answer(request.stream, wire.digests_reply(request.xfer, request.first, blob))
+    assert net.failed == []
+    finish_from_source(net)
+
+
+def test_a_read_ahead_answered_after_its_cancel_and_after_the_receive_gave_up_on_peers_is_dropped() -> None:
+    # Seen in the lab (11 receivers, one killed, unshaped links): a read-ahead the source answered late was
+    # cancelled, the receive then gave up on peers (it holds no digest book), and the answer, which raced
+    # the cancel, failed the receive ("digests this receive did not ask for").
+    net = planner(messages=64, span=4, swarm=Swarm(None, [("tcp://peer:1", PEER_TOKEN)]))
+    net.carry_out(net.plan.start())
+    net.add()
+    net.add(1, PEER_TOKEN)
+    net.tick()
+    have(net, 1, (1 << 64) - 1)
+    net.tick(0.001)
+    ahead = [r for r in net.plan.registry.of(DigestRequest) if r.ahead]
+    assert ahead
+    for span in net.spans(1):  # held: their digests were asked ahead
+        net.serve(1, span)
+    net.tick(0.002)
+    net.tick(AHEAD_PATIENCE * 1.5)  # the read-aheads unanswered: cancelled, and reading ahead stops
+    assert not any(r.ahead for r in net.plan.registry.of(DigestRequest))
+    net.tick(AHEAD_PATIENCE * 1.5 + 0.001)
+    plain = next(r for r in net.plan.registry.of(DigestRequest) if not r.ahead)  # for the held ones
+    net.answer(plain.stream, wire.error_reply(plain.xfer, wire.ERR_BAD_REQUEST, "no digests here"))
+    assert net.plan.digests is None  # gave up on peers
+    for request in ahead:  # the source answers what it was asked before the cancels reached it
         blob = b"".join(digests.digest_of(SHA, payload(seq)) for seq in range(request.first, request.stop))
         net.answer(request.stream, wire.digests_reply(request.xfer, request.first, blob))
     assert net.failed == []

@@ -499,6 +499,9 @@ class Outgoing:
             self.reads_ahead = False
             actions.append(Cancel(request.stream, request.xfer))
             book.withdraw(request.xfer)
+            # The answer may still come (it races the cancel): dropped, also once the receive has given up on
+            # peers and holds no digest book (seen in the lab: 11 receivers, one killed, unshaped).
+            plan.registry.settle(request.xfer, CANCELLED)
         out = sum(1 for request in plan.registry.of(DigestRequest) if request.ahead)
         while ahead and self.reads_ahead and out < AHEAD_REQUESTS:
             run = book.ahead(self._ahead_from, AHEAD_RUN if self._ahead_from else AHEAD_FIRST_RUN)
