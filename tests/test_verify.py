@@ -26,8 +26,8 @@ from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.errors import IntegrityError, ProtocolError
 from zmqtransport.fetch.liveness import RECONNECT_GRACE
 from zmqtransport.fetch.planner import (
-    AHEAD_PATIENCE,
     AHEAD_FIRST_RUN,
+    AHEAD_PATIENCE,
     AHEAD_REQUESTS,
     AHEAD_RUN,
     Action,
