@@ -166,6 +166,7 @@ class Server:
         self._expiring = False
         self._watching_until = -1.0  # the kernel's readings go on until then (serve/linkwatch.py's LINGER)
         self._read: dict[str, int] = {}  # acked bytes per receiver at the reading before
+        self._keys: dict[str, int] = {}  # the readings' key (the kernel's descriptor) per receiver
         net.pumps[host.name] = self.pump
         if staged is not None:
             scheduler.stage(staged, net.loop.now)
@@ -325,13 +326,15 @@ class Server:
         moving = {dst: acked for (src, dst), acked in self.net.acked.items()
                   if src == me and acked - self._read.get(dst, 0) > 0}
         uplink = self.host.up.bps / 8 / model.WIRE_OVERHEAD
+        hosts = {conn.member.host.name: conn.member.host for conn in self.conns.values()}
         readings: dict[int, LinkReading] = {}
         for dst, acked in moving.items():
-            conn = next((c for c in self.conns.values() if c.member.host.name == dst), None)
-            if conn is None:
+            if dst not in hosts:
                 continue
-            path = min(uplink, conn.member.host.down.bps / 8 / model.WIRE_OVERHEAD)
-            readings[hash(dst)] = LinkReading(acked, min(path, uplink / len(moving)))
+            path = min(uplink, hosts[dst].down.bps / 8 / model.WIRE_OVERHEAD)
+            # A connection's key, as the kernel's descriptor is: one per receiver, the same at every reading.
+            key = self._keys.setdefault(dst, len(self._keys))
+            readings[key] = LinkReading(acked, min(path, uplink / len(moving)))
         self._read.update(moving)
         self.scheduler.uplink.links(readings)
         if now < self._watching_until:
