@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from zmqtransport.bench.config import Kill, Knobs, LabSpec, Scenario
+from zmqtransport.bench.report import machine_description
 from zmqtransport.bench.runner import run_scenario
 from zmqtransport.sim import validation
 from zmqtransport.sim.validation import LAB_POINTS, Case
@@ -36,13 +37,6 @@ MIB = 1 << 20
 
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def scenario_of(case: Case, mib: float, reps: int) -> Scenario:
@@ -152,7 +146,8 @@ def lab(args: argparse.Namespace) -> int:
         before = data.get("points", {}).get(case.name)
         if args.merge and before is not None:
             point = merged(before, point, int(mib * MIB))
-        data["machine"] = {"cpus": os.cpu_count(), "cpu": _cpu_model(), "load": "see each trial's uptime"}
+        machine = machine_description()
+        data["machine"] = {"cpus": machine["cpus"], "cpu": machine["cpu_model"], "load": "see each trial's uptime"}
         data["command"] = "python scripts/sim_validate.py lab --reps N [--only CASE] [--merge]"
         data.setdefault("points", {})[case.name] = point
         args.out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")

@@ -102,7 +102,7 @@ LATE_PEERS = 4
 # took 150-200 ms on a busy source, 8 MiB a quarter of that).
 AHEAD_REQUESTS = 2  # read-ahead requests out at once (the source allows 16 digest requests per peer)
 AHEAD_RUN = 32  # messages per read-ahead request
-AHEAD_FIRST_RUN = 8  # ... the first of a receive's (or the first after a lost one)
+AHEAD_FIRST_RUN = 8  # ... the one from the plan's first message (again if that one was refused or not sent)
 # A read-ahead unanswered this long is cancelled and reading ahead stops: a
 # source staging device memory hashes a message only as it sends it to a
 # peer, so it answers a run only once it has sent all of it (its messages'

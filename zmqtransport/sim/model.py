@@ -64,7 +64,7 @@ RELAY_PER_BYTE = 0.35 / GIB  # a member's copy of a landed message, and its send
 SOURCE_PER_BYTE = 0.30 / GIB  # the source's send of a staged message
 SOURCE_HASH_PER_BYTE = 0.76 / GIB  # the source hashes each message once per staging (digest requests)
 # CPU seconds per message.
-RECV_PER_MESSAGE = 0.08e-3  # a data message received: wake-up, envelope, planner, bookkeeping
+RECV_PER_MESSAGE = 0.08e-3  # a data message received: wake-up, envelope, bookkeeping (its pass: pass_cost)
 RELAY_PER_MESSAGE = 0.025e-3  # a data message a member serves onward: the serving thread's wake-up, its send
 SOURCE_PER_MESSAGE = 0.021e-3  # a data message the source sends
 CONTROL_PER_MESSAGE = 0.09e-3  # a control message, on each side (sent or received)
@@ -165,7 +165,7 @@ class Link:
     throughput. Without it (0: a NIC's line rate, which no burst exceeds) the link is a plain FIFO.
     Measured: the lab's three receivers of 64 MiB at 400 Mbit/s took 1.14x the ideal, the model
     without the bucket 1.34x (members' downlinks idle in gaps of a few milliseconds, 15% of the time),
-    with it 1.17x (docs/sim.md, "Validation against the lab").
+    with it 1.18x (docs/sim.md, "Validation against the lab").
     """
 
     bps: float
