@@ -93,8 +93,8 @@ class Net:
     def window_open(self, src: model.Host, dst: model.Host) -> bool:
         if self.in_flight.get((src.name, dst.name), 0) >= model.WINDOW_BYTES:
             return False
-        # A shaped downlink's tbf queue holds TBF_LIMIT_BYTES from all senders together; past it the kernel
-        # drops and TCP backs off, so the senders of a slow host share that much in flight, not 8 MiB each.
+        # A shaped downlink's queue holds what TCP keeps in it, TBF_LIMIT_BYTES from all senders together
+        # (measured in the lab), so the senders of a slow host share that much in flight, not 8 MiB each.
         return not dst.down.burst or self.in_flight_to.get(dst.name, 0) < model.TBF_LIMIT_BYTES
 
     def uplink_open(self, src: model.Host) -> bool:

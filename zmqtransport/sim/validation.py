@@ -42,8 +42,6 @@ _UNSHAPED = (
     "the lab's source uploaded 2.0-7.9 states, the model's 1.7-6.0)"
 )
 KNOWN_MISSES = {
-    "shaped-mixed-3": "the quarter-rate receiver: the model's takes 1.33x its own link's ideal, the lab's 1.05x, "
-    "and the model's source sends 1.41 states where the lab's sent 1.07 (its spans asked again of the source)",
     "unshaped-equal-3": _UNSHAPED,
     "unshaped-equal-7": _UNSHAPED,
     "unshaped-equal-11": _UNSHAPED,
