@@ -84,7 +84,7 @@ class Net:
         self.loop = loop
         self.counters = Counters()
         self.in_flight: dict[tuple[str, str], int] = {}  # bytes sent, not yet received, by (from, to)
-        self.in_flight_to: dict[str, int] = {}  # the same, by receiving host
+        self.messages_to: dict[str, int] = {}  # data messages sent, not yet received, by receiving host
         self.queued: dict[str, int] = {}  # bytes a host's serving thread picked, not yet through its uplink
         self.pumps: dict[str, Callable[[], None]] = {}  # who to wake when a host's uplink or a window drains
         # Data bytes the source's connections delivered, by (source, receiver): the kernel's tcpi_bytes_acked.
@@ -93,9 +93,9 @@ class Net:
     def window_open(self, src: model.Host, dst: model.Host) -> bool:
         if self.in_flight.get((src.name, dst.name), 0) >= model.WINDOW_BYTES:
             return False
-        # A shaped downlink's queue holds what TCP keeps in it, TBF_LIMIT_BYTES from all senders together
+        # A shaped downlink's queue holds what TCP keeps in it, TBF_QUEUE_MESSAGES from all senders together
         # (measured in the lab), so the senders of a slow host share that much in flight, not 8 MiB each.
-        return not dst.down.burst or self.in_flight_to.get(dst.name, 0) < model.TBF_LIMIT_BYTES
+        return not dst.down.burst or self.messages_to.get(dst.name, 0) < model.TBF_QUEUE_MESSAGES
 
     def uplink_open(self, src: model.Host) -> bool:
         return self.queued.get(src.name, 0) < model.UPLINK_QUEUE_BYTES
@@ -116,7 +116,7 @@ class Net:
                 c.source_control_bytes += size
         pair = (src.name, dst.name)
         self.in_flight[pair] = self.in_flight.get(pair, 0) + size
-        self.in_flight_to[dst.name] = self.in_flight_to.get(dst.name, 0) + size
+        self.messages_to[dst.name] = self.messages_to.get(dst.name, 0) + data
         self.queued[src.name] = self.queued.get(src.name, 0) + size
 
         def up() -> None:
@@ -135,7 +135,7 @@ class Net:
 
         def landed() -> None:
             self.in_flight[pair] -= size
-            self.in_flight_to[dst.name] -= size
+            self.messages_to[dst.name] -= data
             if data and source:
                 self.acked[pair] = self.acked.get(pair, 0) + size
             self._wake(src.name)
