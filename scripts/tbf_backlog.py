@@ -2,7 +2,7 @@
 """How full the lab's shaped queues get: tbf's backlog on each switch port while a command runs.
 
 The simulator's shaped links hold what TCP keeps in a tbf queue, not tbf's
-limit (``zmqtransport/sim/model.py``, ``QUEUE_MESSAGES``; docs/sim.md, "The
+limit (``zmqtransport/sim/model.py``, ``TBF_QUEUE_MESSAGES``; docs/sim.md, "The
 model's shaped queue, measured"). This reads that backlog: it runs the command
 given after ``--`` (a lab benchmark, as root), and every ``--every`` seconds
 while it runs reads ``tc -s qdisc`` in each lab switch namespace (the port

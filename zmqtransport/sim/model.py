@@ -82,22 +82,18 @@ TBF_RECV_PER_BYTE = 0.53 / GIB
 TBF_SEND_PER_BYTE = 0.30 / GIB
 # A tbf link's bucket (lab.Shaping's burst), and the speed a veth moves what the bucket covers.
 TBF_BURST_BYTES = 256 << 10
-# Data messages in flight to a host, from all senders together: what the queue before its downlink holds
-# as TCP keeps it. Measured where the lab has such a queue, its tbf-shaped links: not tbf's limit (4 MiB),
-# which the lab's flows never come near; its queues, read every 30 ms through a run
-# (scripts/tbf_backlog.py, 2026-12-06), held a median of 0.14-0.78 MiB while not empty, at the 90th
-# percentile 0.34-1.5 MiB and at most 0.56-2.3 MiB (lab-mixed's quarter-rate host; lab-1to7's seven and
-# eleven; in 256 KiB and in 1 MiB frames alike: TCP knows no messages). The model queues whole messages
-# where TCP interleaves the flows' packets, so its bound is in messages: three fit the lab in both frame
-# sizes, every shaped validation case within 10% in 256 KiB frames (768 KiB; 4 MiB left the quarter-rate
-# receiver of three at +26%, its planner timing its streams through a queue 0.34 s long and asking again
-# what only waited there), and seven and eleven receivers and a quarter-rate one within 9% in 1 MiB
-# frames (768 KiB there: 30-44% too slow, a message at a time). Every link has it, as a NIC's or a switch
-# port's queue holds what TCP keeps just as tbf's does; over the unshaped lab's veths (no queue, the CPU
-# the bound) it moved the model's cases by 0-4%. Until 2026-12-06 only each sender's WINDOW_BYTES bound
-# a link: at a job start of 64, a quarter-rate member's downlink queued up to 8 MiB from each of its ~33
-# senders, and mixed links took 1.60x there (docs/sim.md, "The model's shaped queue, measured").
-QUEUE_MESSAGES = 3
+# Data messages in flight to a host whose downlink is shaped, from all senders together: what its tbf queue
+# holds as TCP keeps it. Not tbf's limit (4 MiB), which the lab's flows never come near: its queues, read
+# every 30 ms through a run (scripts/tbf_backlog.py, 2026-12-06), held a median of 0.14-0.78 MiB while not
+# empty, at the 90th percentile 0.34-1.5 MiB and at most 0.56-2.3 MiB (lab-mixed's quarter-rate host;
+# lab-1to7's seven and eleven; in 256 KiB and in 1 MiB frames alike: TCP knows no messages). The model
+# queues whole messages where TCP interleaves the flows' packets, so its bound is in messages: three fit
+# the lab in both frame sizes, every shaped validation case within 10% in 256 KiB frames (768 KiB; 4 MiB
+# left the quarter-rate receiver of three at +26%, its planner timing its streams through a queue 0.34 s
+# long and asking again what only waited there), and seven and eleven receivers and a quarter-rate one
+# within 9% in 1 MiB frames (768 KiB there: 30-44% too slow, a message at a time); docs/sim.md, "The
+# model's shaped queue, measured".
+TBF_QUEUE_MESSAGES = 3
 VETH_BPS = 10e9
 
 # Bytes in flight from one host to another at most (sent, not yet received): the stand-in for the

@@ -93,9 +93,9 @@ class Net:
     def window_open(self, src: model.Host, dst: model.Host) -> bool:
         if self.in_flight.get((src.name, dst.name), 0) >= model.WINDOW_BYTES:
             return False
-        # The queue before a host's downlink holds what TCP keeps in it, QUEUE_MESSAGES from all senders
-        # together (measured in the lab), so the senders of a host share that much in flight.
-        return self.messages_to.get(dst.name, 0) < model.QUEUE_MESSAGES
+        # A shaped downlink's queue holds what TCP keeps in it, TBF_QUEUE_MESSAGES from all senders together
+        # (measured in the lab), so the senders of a slow host share that much in flight, not 8 MiB each.
+        return not dst.down.burst or self.messages_to.get(dst.name, 0) < model.TBF_QUEUE_MESSAGES
 
     def uplink_open(self, src: model.Host) -> bool:
         return self.queued.get(src.name, 0) < model.UPLINK_QUEUE_BYTES
