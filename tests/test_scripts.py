@@ -46,9 +46,11 @@ def test_stall_gaps_measures_two_small_receives() -> None:
     assert "largest wait for a data message" in out
 
 
-def test_tbf_backlog_reads_the_backlog_of_tbf_queues_only() -> None:
+def test_tbf_backlog_reads_the_backlog_of_tbf_queues_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
+    # No scripts/__pycache__: every entry of scripts/ must be one its README names (the test above).
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
     spec = importlib.util.spec_from_file_location("tbf_backlog", SCRIPTS / "tbf_backlog.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
