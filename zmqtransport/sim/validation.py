@@ -42,11 +42,8 @@ _UNSHAPED = (
     "the lab's source uploaded 2.0-7.9 states, the model's 1.7-6.0)"
 )
 KNOWN_MISSES = {
-    "unshaped-equal-3": _UNSHAPED,
-    "unshaped-equal-7": _UNSHAPED,
-    "unshaped-equal-11": _UNSHAPED,
-    "unshaped-kill-7": _UNSHAPED,
-    "unshaped-kill-11": _UNSHAPED,
+    name: _UNSHAPED
+    for name in ("unshaped-equal-3", "unshaped-equal-7", "unshaped-equal-11", "unshaped-kill-7", "unshaped-kill-11")
 }
 SEEDS = (0,)  # the model's draws (who asks first within a millisecond): one, so that CI runs it in seconds
 
