@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from zmqtransport.lab import switch_namespaces
+
 _QDISC = re.compile(r"qdisc tbf \S+ dev (\S+)")
 _BACKLOG = re.compile(r"backlog (\d+)b")
 
@@ -37,11 +39,6 @@ def backlogs(text: str) -> dict[str, int]:
             found[device] = int(backlog.group(1))
             device = None
     return found
-
-
-def switches() -> list[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.split() and line.split()[0].endswith("sw")]
 
 
 def summary(samples: dict[str, list[int]]) -> list[str]:
@@ -74,7 +71,7 @@ def main() -> int:
     deadline = time.monotonic() + args.timeout
     try:
         while child.poll() is None and time.monotonic() < deadline:
-            for switch in switches():
+            for switch in switch_namespaces():
                 shown = subprocess.run(
                     ["tc", "-n", switch, "-s", "qdisc", "show"], capture_output=True, text=True, check=False
                 )

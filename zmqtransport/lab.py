@@ -181,6 +181,12 @@ def _lab_namespaces() -> list[str]:
     return [name for name in names if _NAME_PATTERN.match(name)]
 
 
+def switch_namespaces() -> list[str]:
+    """The switch namespace of every lab on this machine: its port toward host N (``hNn0``) queues what
+    waits for N's downlink (scripts/tbf_backlog.py reads it)."""
+    return [name for name in _lab_namespaces() if name.endswith("sw")]
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
