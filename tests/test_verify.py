@@ -117,10 +117,11 @@ def test_digest_book_finds_the_next_run_to_read_ahead() -> None:
     assert book.ahead(0, 4) is None
 
 
-def _checking(known: Any = (), questions: bool = False) -> ReceivePlanner:
+def _checking(known: Any = (), questions: bool = False, digests_ahead: bool = False) -> ReceivePlanner:
     """A receive's planner (tests/test_planner.py) with a connection to the source that is up, and
-    ``known`` peers (none of them connected), checking what peers send against the source's digests."""
-    terms = SpanTerms(1, 7, False, time.monotonic() + 60, None, SHA)
+    ``known`` peers (none of them connected), checking what peers send against the source's digests
+    (``digests_ahead``: the source's header said it hashes any message on request)."""
+    terms = SpanTerms(1, 7, False, time.monotonic() + 60, None, SHA, digests_ahead=digests_ahead)
     plan = ReceivePlanner(list(range(101)), terms, 4, "the source", Swarm(None, known))
     plan.add_stream(SOURCE, None, False, "tcp://source:1", 0.0)
     plan.connection(0, True, None)
@@ -175,6 +176,24 @@ def test_a_read_ahead_the_source_does_not_answer_soon_is_cancelled_and_reading_a
     cancels = [a for a in actions if isinstance(a, Cancel)]
     assert sorted(c.xfer for c in cancels) == sorted(ahead) and len(cancels) == AHEAD_REQUESTS
     assert check.ahead(0, 4) == (0, 4)  # asked for again as spans reach those messages
+
+
+def test_a_late_read_ahead_is_waited_for_where_the_source_said_it_hashes_ahead() -> None:
+    # A source staging host memory hashes any message on request: a late answer means it is busy, and
+    # cancelling made each member ask for every span's digests on its own (23 members: 3257 requests).
+    plan = _checking([("tcp://a:1", b"a" * 16)], digests_ahead=True)
+    check = plan.digests
+    assert check is not None
+    plan.tick(0.0)
+    ahead = sorted(check.requests)
+    assert len(ahead) == AHEAD_REQUESTS
+    actions = plan.tick(AHEAD_PATIENCE * 10)
+    assert not [a for a in actions if isinstance(a, Cancel)] and _asked(plan, actions) == []
+    assert sorted(check.requests) == ahead and plan.out.reads_ahead
+    first = check.requests[ahead[0]]
+    reply = wire.Reply("digests", first.xfer, False, seq=first.first, dg=b"d" * 32 * (first.stop - first.first))
+    plan.on_reply(0, reply, "the source", AHEAD_PATIENCE * 10)
+    assert _asked(plan, plan.tick(AHEAD_PATIENCE * 10 + 0.01))  # answered: the next run is asked for
 
 
 # ----------------------------------------------------------------------------- held messages in the span book
@@ -333,6 +352,28 @@ def test_only_a_receiver_that_verifies_is_sent_to_a_relay_and_only_offers_from_t
     follower = sched.on_request(b"b", fetch(relay="tcp://10.0.0.2:1", verify=verify), "10.0.0.2", 0.0)[0]
     assert isinstance(follower, SendHeader) and follower.relay is not None
     assert follower.relay.upstream == "tcp://10.0.0.3:1" and follower.header_only
+
+
+def test_the_header_says_digests_ahead_only_for_a_staging_in_host_memory() -> None:
+    class DevicePlan:
+        chunks = (True, False, False, False)  # one message built from device memory: hashed as it is sent
+
+    verify = ("sha256",)
+    for device, want in ((None, True), (DevicePlan(), False)):
+        sched, steps = Scheduler(10.0), staged()
+        steps.device_plan = device  # type: ignore[assignment]
+        sched.stage(steps, 0.0)
+        head = sched.on_request(b"a", fetch(relay="tcp://10.0.0.1:1", verify=verify), "10.0.0.1", 0.0)[0]
+        assert isinstance(head, SendHeader) and head.digest == "sha256" and head.digests_ahead is want
+        plain = sched.on_request(b"p", fetch(2), "10.0.0.5", 0.0)[0]
+        assert isinstance(plain, SendHeader) and plain.digest is None and not plain.digests_ahead
+    envelope = wire.header_envelope(1, 7, None, "sha256", digests_ahead=True)
+    assert wire.decode_reply(envelope, True, "source").digests_ahead
+    assert not wire.decode_reply(wire.header_envelope(1, 7, None, "sha256"), True, "source").digests_ahead
+    for bad in ({"digest": "sha256", "ahead": 1}, {"ahead": True}):  # not a boolean; no digests to read ahead
+        forged = wire.pack({"v": wire.PROTOCOL_VERSION, "op": wire.OP_HEADER, "id": 1, "stage": 7, **bad})
+        with pytest.raises(ProtocolError, match="'ahead'"):
+            wire.decode_reply(forged, True, "source")
 
 
 class FakeRouter:

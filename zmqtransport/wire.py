@@ -387,7 +387,8 @@ class Reply:
 
     What a field means depends on ``op``: ``seq`` and ``crc`` of a data
     message; ``stage`` and ``relay`` of a header; ``code`` and ``text`` of an
-    error; ``digest`` of a header (the algorithm the source chose); ``dg``
+    error; ``digest`` of a header (the algorithm the source chose) and
+    ``digests_ahead`` (it hashes any message on request, sent or not); ``dg``
     of a data message (its digest) or of a ``digests`` reply (the digests of
     messages ``seq`` on, concatenated). ``xfer`` is None only for an error
     reply without a usable id (a sender refusing a request it could not
@@ -404,6 +405,7 @@ class Reply:
     code: str = ""
     text: str = ""
     digest: str | None = None
+    digests_ahead: bool = False
     dg: bytes | None = None
     have: int | None = None  # a have reply's bit set (None: holds everything); a relay's end's (None: not said)
     coming: int = 0  # a have reply's (or a relay's end's) messages being fetched
@@ -438,8 +440,11 @@ def decode_reply(frame: bytes | memoryview, more: bool, who: str) -> Reply:
         digest = message.get("digest")
         if digest is not None and (type(digest) is not str or not 0 < len(digest) <= digests.MAX_NAME_CHARS):
             raise ProtocolError(f"header field 'digest' must name an algorithm, got {digest!r}")
+        ahead = message.get("ahead", False)
+        if type(ahead) is not bool or (ahead and digest is None):
+            raise ProtocolError(f"header field 'ahead' must be true or false, and only beside 'digest', from {who}")
         relay = decode_relay_order(message.get("relay"))
-        return Reply(op, xfer, more, stage=stage, relay=relay, digest=digest)
+        return Reply(op, xfer, more, stage=stage, relay=relay, digest=digest, digests_ahead=ahead)
     if op == OP_DIGESTS:
         first, dg = message.get("first"), message.get("dg")
         if type(first) is not int or not 0 <= first < MAX_MESSAGES or type(dg) is not bytes:
@@ -520,20 +525,29 @@ class Header:
 
 
 def header_envelope(
-    xfer: int, stage: int | None = None, relay: RelayOrder | None = None, digest: str | None = None
+    xfer: int,
+    stage: int | None = None,
+    relay: RelayOrder | None = None,
+    digest: str | None = None,
+    digests_ahead: bool = False,
 ) -> bytes:
     """``stage``: the staging's id, which also says that this sender serves span fetches.
 
     ``relay``: for a receiver that offered to relay, the token it serves
     under and where to fetch from instead of this sender (docs/protocol.md, "Swarm").
     ``digest``: for a receiver that offered to verify, the algorithm of the
-    digests this sender serves it (docs/protocol.md, "Digests").
+    digests this sender serves it (docs/protocol.md, "Digests"); with
+    ``digests_ahead``, this sender hashes any message on request, sent or
+    not (the staging is in host memory), so a digest request waits for
+    nothing but its turn.
     """
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HEADER, "id": xfer}
     if stage is not None:
         message["stage"] = stage
     if digest is not None:
         message["digest"] = digest
+        if digests_ahead:
+            message["ahead"] = True
     if relay is not None:
         order: dict[str, Any] = {"token": relay.token}
         if relay.upstream is not None:

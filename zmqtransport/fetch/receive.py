@@ -68,6 +68,7 @@ class Receive:
         self.order: wire.RelayOrder | None = None  # what the source said about relaying
         # The source's digest algorithm (None: it publishes no digests, so relays cannot be checked).
         self.algorithm: digests.Algorithm | None = None
+        self.digests_ahead = False  # the source hashes any message on request (its header's 'ahead')
         self.duty: RelayDuty | None = None  # serving what lands to the downstream
         self.plan: list[list[wire.Piece]] = []  # the header's chunk plan: what each data message carries
         self.pending: wire.Reply | None = None  # a reply read ahead (the direct path's first data message)
@@ -164,6 +165,7 @@ class Receive:
         self.stage = reply.stage
         self.order = reply.relay if self.options.relay is not None else None
         self.algorithm = digest_algorithm(reply.digest, self.options.verifies_all, self.describe())
+        self.digests_ahead = reply.digests_ahead
         stream = self.conns.first
         body = stream.frame()
         stream.ended("the header")
@@ -252,6 +254,7 @@ class Receive:
             options.stall_timeout,
             self.algorithm,
             inline=options.verifies_all,
+            digests_ahead=self.digests_ahead,
         )
         messages = len(inbox.plan)
         swarm, offset = None, 0

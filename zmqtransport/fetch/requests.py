@@ -27,6 +27,7 @@ class SpanTerms:
     stall_timeout: float | None
     algorithm: Algorithm | None = None  # the source's digest algorithm (None: it publishes none)
     inline: bool = False  # verify="all": the source's spans carry a digest per message
+    digests_ahead: bool = False  # the source hashes any message on request, sent or not (its header said so)
 
 
 def wait_ms(deadline: float, now: float) -> int:

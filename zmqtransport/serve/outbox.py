@@ -72,7 +72,9 @@ class Outbox:
         for action in actions:
             match action:
                 case SendHeader():
-                    envelope = wire.header_envelope(action.xfer, action.stage_id, action.relay, action.digest)
+                    envelope = wire.header_envelope(
+                        action.xfer, action.stage_id, action.relay, action.digest, action.digests_ahead
+                    )
                     if not self._router.send(action.peer, [envelope, action.header_body]):
                         undelivered.add(action.key)
                         self._scheduler.undelivered(action, time.monotonic())

@@ -359,7 +359,12 @@ class Scheduler:
             order is not None and (order.upstream is not None or algorithm is not None)
         )
         digest = algorithm.name if algorithm is not None else None
-        header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest)
+        # Device memory is hashed only as the pump sends it (serve/digests.py): a receiver reading digests
+        # ahead of the sends must not wait on those, so only a staging wholly in host memory says it hashes ahead.
+        ahead = digest is not None and staged.device_plan is None
+        header = SendHeader(
+            peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest, ahead
+        )
         if header_only:
             self.withdrawals.reader(peer)  # it fetches spans as it goes
             return [header]

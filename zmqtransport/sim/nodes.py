@@ -230,7 +230,9 @@ class Server:
                 if conn is None:
                     self.scheduler.undelivered(action, self.net.loop.now)
                     continue
-                envelope = wire.header_envelope(action.xfer, action.stage_id, action.relay, action.digest)
+                envelope = wire.header_envelope(
+                    action.xfer, action.stage_id, action.relay, action.digest, action.digests_ahead
+                )
                 self.reply(conn, envelope, len(action.header_body), body=action.header_body)
                 if action.header_only:
                     self.reply(conn, wire.end_reply(action.xfer), 0)
@@ -421,7 +423,7 @@ class Member:
         self.offsets = list(itertools.accumulate(self.sizes, initial=0))
         order = reply.relay
         algorithm = digests.algorithm(reply.digest) if reply.digest is not None else None
-        terms = SpanTerms(STEP, reply.stage, False, TIMEOUT, STALL, algorithm)
+        terms = SpanTerms(STEP, reply.stage, False, TIMEOUT, STALL, algorithm, digests_ahead=reply.digests_ahead)
         swarm, offset = None, 0
         known: tuple[wire.Peer, ...] = ()
         self.outcome.member = order is not None
