@@ -24,6 +24,7 @@ from zmqtransport import ZMQTransport, digests, relayed, security, wire
 from zmqtransport.bench.rogue import become_rogue
 from zmqtransport.codec.tensors import EncodedTree
 from zmqtransport.errors import IntegrityError, ProtocolError
+from zmqtransport.fetch import planner
 from zmqtransport.fetch.liveness import RECONNECT_GRACE
 from zmqtransport.fetch.planner import (
     AHEAD_FIRST_RUN,
@@ -32,6 +33,7 @@ from zmqtransport.fetch.planner import (
     AHEAD_RUN,
     Action,
     Cancel,
+    Outgoing,
     ReceivePlanner,
     Send,
     Swarm,
@@ -49,7 +51,7 @@ from zmqtransport.serve.staged import Staged
 from zmqtransport.testing import FakeDevice
 
 from .conftest import TIMEOUT
-from .test_relay import once_a_member
+from .test_relay import fetch_all, once_a_member
 
 SHA = digests.algorithm(digests.SHA256)
 MIB = 1 << 20
@@ -691,3 +693,29 @@ def test_digests_are_asked_over_the_question_connection_even_before_it_is_up() -
     sent = _asked(plan, plan.tick(RECONNECT_GRACE))
     assert plan.lanes[1].gone and sent and all(s.stream == 0 for s in sent)
     # with no question connection left, a data connection carries them
+
+
+def test_members_of_a_source_in_host_memory_read_digests_ahead_however_late_the_answers(
+    make_transport: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every read-ahead is late at once here (patience 0). A member that did not take the header's 'ahead'
+    # would cancel its read-aheads and read ahead no more, as it does from a source that may hold device
+    # memory; the source's staging is in host memory, so each member waits for them and keeps reading ahead.
+    monkeypatch.setattr(planner, "AHEAD_PATIENCE", 0.0)
+    ahead: list[Outgoing] = []
+    asking = Outgoing._digest_request
+
+    def recorded(out: Outgoing, index: int, first: int, stop: int, now: float, is_ahead: bool) -> Any:
+        if is_ahead:
+            ahead.append(out)
+        return asking(out, index, first, stop, now, is_ahead)
+
+    monkeypatch.setattr(Outgoing, "_digest_request", recorded)
+    sender = make_transport()
+    receivers = [make_transport(progress=slow(0.002)) for _ in range(3)]
+    want = state()
+    sender.send_checkpoint([1, 2, 3], 1, want, TIMEOUT)
+    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.02)
+    assert all(same(got, want) for got in results), results
+    assert ahead, "no member read digests ahead"
+    assert all(out.reads_ahead for out in ahead)
