@@ -88,6 +88,16 @@ def fetch_all(
     return results
 
 
+def three_heal_at_once(
+    sender: ZMQTransport[Any], receivers: list[ZMQTransport[Any]], want: Any
+) -> None:
+    """``sender`` stages ``want`` as step 1 for ranks 1-3 and ``receivers`` fetch it at once (20 ms apart);
+    every receive must be bit-exact."""
+    sender.send_checkpoint([1, 2, 3], 1, want, TIMEOUT)
+    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.02)
+    assert all(same(got, want) for got in results), results
+
+
 def once_a_member(sender: ZMQTransport[Any], first: Any, then: Any, wait: float = 30, join: float = 60) -> Any:
     """Run ``first`` in a thread and, once it has joined ``sender``'s swarm (asked for the header; at most
     ``wait`` seconds), ``then`` here; returns what ``then`` returns, once ``first`` is done too (at most
@@ -106,9 +116,7 @@ def test_three_receivers_at_once_cost_the_source_about_one_upload(make_transport
     sender = make_transport(checksum=True)
     receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]
     want = state()
-    sender.send_checkpoint([1, 2, 3], 1, want, TIMEOUT)
-    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.02)
-    assert all(same(got, want) for got in results), results
+    three_heal_at_once(sender, receivers, want)
     # Without relaying the source sends the state three times. (About once
     # here; a receiver starved of CPU on a loaded machine may fall back to the
     # source, so the bound only says that relaying happened.)
@@ -124,9 +132,7 @@ def test_relay_false_fetches_from_the_source_only(make_transport: Any) -> None:
     sender = make_transport()
     receivers = [make_transport(progress=slow(0.004), relay=False) for _ in range(3)]
     want = state()
-    sender.send_checkpoint([1, 2, 3], 1, want, TIMEOUT)
-    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.02)
-    assert all(same(got, want) for got in results)
+    three_heal_at_once(sender, receivers, want)
     assert uploaded(sender) == 3 * nbytes(want)
     assert all(list(r.last_recv_stats.paths) == [sender.metadata()] for r in receivers)
 
@@ -274,9 +280,7 @@ def test_receivers_on_the_sources_host_are_not_chained_by_default(
     sender = make_transport()
     receivers = [make_transport(progress=slow(0.004)) for _ in range(3)]
     want = state()
-    sender.send_checkpoint([1, 2, 3], 1, want, TIMEOUT)
-    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.02)
-    assert all(same(got, want) for got in results)
+    three_heal_at_once(sender, receivers, want)
     assert uploaded(sender) == 3 * nbytes(want)
     assert not sender._server._scheduler.swarm.members
 

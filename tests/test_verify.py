@@ -51,7 +51,8 @@ from zmqtransport.serve.staged import Staged
 from zmqtransport.testing import FakeDevice
 
 from .conftest import TIMEOUT
-from .test_relay import fetch_all, once_a_member
+from .test_relay import once_a_member, three_heal_at_once
+from .test_relay import state as relay_state
 
 SHA = digests.algorithm(digests.SHA256)
 MIB = 1 << 20
@@ -711,11 +712,6 @@ def test_members_of_a_source_in_host_memory_read_digests_ahead_however_late_the_
         return asking(out, index, first, stop, now, is_ahead)
 
     monkeypatch.setattr(Outgoing, "_digest_request", recorded)
-    sender = make_transport()
-    receivers = [make_transport(progress=slow(0.002)) for _ in range(3)]
-    want = state()
-    sender.send_checkpoint([1, 2, 3], 1, want, TIMEOUT)
-    results = fetch_all(receivers, sender.metadata(), 1, stagger=0.02)
-    assert all(same(got, want) for got in results), results
+    three_heal_at_once(make_transport(), [make_transport(progress=slow(0.002)) for _ in range(3)], relay_state())
     assert ahead, "no member read digests ahead"
     assert all(out.reads_ahead for out in ahead)
