@@ -70,18 +70,6 @@ def test_members_ask_the_source_for_digests_in_few_long_runs() -> None:
     assert result["control_by_kind_per_receiver"]["digests to the source"] <= 10
 
 
-def test_a_source_in_device_memory_answers_digests_only_of_what_it_has_sent() -> None:
-    """A source on a GPU hashes a message only as it sends it (serve/digests.py) and offers no digests ahead:
-    its members' read-aheads go late and are cancelled, they ask for each span's digests as they ask for the
-    span, and every receive still completes."""
-    host, device = simulate(8, mib=64), simulate(8, mib=64, device_source=True)
-    assert host["completed"] == device["completed"] == 8
-    asked = device["control_by_kind_per_receiver"]["digests to the source"]
-    assert asked > 4 * host["control_by_kind_per_receiver"]["digests to the source"]
-    assert device["control_by_kind_per_receiver"]["cancel to the source"] >= 1  # the late read-aheads
-    assert device["upload_over_state"] < 1.5
-
-
 def test_one_receiver_takes_about_the_ideal_time() -> None:
     result = simulate(1, **SMALL)
     assert result["completed"] == 1

@@ -23,6 +23,7 @@ import torch
 from zmqtransport import ZMQTransport, digests, relayed, security, wire
 from zmqtransport.bench.rogue import become_rogue
 from zmqtransport.codec.tensors import EncodedTree
+from zmqtransport.device import DeviceStaging, SendStager
 from zmqtransport.errors import IntegrityError, ProtocolError
 from zmqtransport.fetch import planner
 from zmqtransport.fetch.liveness import RECONNECT_GRACE
@@ -47,7 +48,7 @@ from zmqtransport.serve.actions import SendHeader
 from zmqtransport.serve.digests import DigestWork
 from zmqtransport.serve.router import Router
 from zmqtransport.serve.scheduler import Scheduler
-from zmqtransport.serve.staged import Staged
+from zmqtransport.serve.staged import Staged, stage
 from zmqtransport.testing import FakeDevice
 
 from .conftest import TIMEOUT
@@ -357,12 +358,12 @@ def test_only_a_receiver_that_verifies_is_sent_to_a_relay_and_only_offers_from_t
     assert follower.relay.upstream == "tcp://10.0.0.3:1" and follower.header_only
 
 
-def test_the_header_says_digests_ahead_only_for_a_staging_in_host_memory() -> None:
+def test_the_header_says_digests_ahead_beside_a_digest_for_host_and_device_memory() -> None:
     class DevicePlan:
-        chunks = (True, False, False, False)  # one message built from device memory: hashed as it is sent
+        chunks = (True, False, False, False)  # one message built from device memory: hashed through the stager
 
     verify = ("sha256",)
-    for device, want in ((None, True), (DevicePlan(), False)):
+    for device, want in ((None, True), (DevicePlan(), True)):
         sched, steps = Scheduler(10.0), staged()
         steps.device_plan = device  # type: ignore[assignment]
         sched.stage(steps, 0.0)
@@ -393,7 +394,7 @@ def test_digest_requests_are_answered_with_bounded_hashing_per_round() -> None:
     steps = staged(messages=4, nbytes=64)
     sched.stage(steps, 0.0)
     router = FakeRouter()
-    work = DigestWork(sched, router, round_bytes=100)  # type: ignore[arg-type]
+    work = DigestWork(sched, router, SendStager(DeviceStaging()), round_bytes=100)  # type: ignore[arg-type]
     request = fetch(9, span=(1, 4), stage=steps.stage_id, verify=("md5", "sha256"), digests_only=True)
     assert sched.on_request(b"r", request, "10.0.0.9", 0.0) == []
     assert sched.next_round() == []  # a digest request sends no data
@@ -418,26 +419,41 @@ def test_digest_requests_are_answered_with_bounded_hashing_per_round() -> None:
     assert [a.code for a in sched.on_request(b"r", request, "10.0.0.9", 0.0)] == ["disallowed"]  # type: ignore[union-attr]
 
 
-def test_digests_of_device_memory_come_from_what_the_pump_sends() -> None:
-    # A message built from device memory is not read by the digest work: it waits for the
-    # pump, which hashes what it sends to a relay, and gives up at the stall bound.
-    sched = Scheduler(10.0, stall=1.0)
-    steps = staged(messages=2)
-
-    class DevicePlan:
-        chunks = (True, True)  # both messages are built from device memory
-
-    steps.device_plan = DevicePlan()  # type: ignore[assignment]
+def test_digests_of_device_memory_are_hashed_from_copies_through_the_stager() -> None:
+    # A message built from device memory is copied to the stager's pinned ring and hashed there, one at a
+    # time per request, whether or not the pump has sent it; one the pump hashed meanwhile is not copied
+    # again, and every buffer is given back.
+    device = FakeDevice(ops_per_query=0)  # a copy completes only once the engine is synchronised
+    staging = device.staging(slots=2, depth=1)
+    generator = torch.Generator().manual_seed(4)
+    state = {"big": torch.randn(3 * (1 << 18) + 5, generator=generator), "small": torch.arange(9.0)}
+    steps = stage(state, 7, allow_pickle=False, chunk_bytes=1 << 18, pack_below=1 << 12, checksum=None,
+                  staging=staging)
+    assert steps.device_plan is not None and all(steps.device_plan.chunks[:3])
+    plain = stage(state, 7, allow_pickle=False, chunk_bytes=1 << 18, pack_below=1 << 12, checksum=None,
+                  staging=DeviceStaging())  # the same bytes, from host memory
+    messages = steps.messages
+    want = [digests.digest_of(SHA, plain.payload(seq)[0]) for seq in range(messages)]
+    sched = Scheduler(10.0, stall=5.0)
     sched.stage(steps, 0.0)
-    router = FakeRouter()
-    work = DigestWork(sched, router)  # type: ignore[arg-type]
-    request = fetch(3, span=(0, 2), stage=steps.stage_id, verify=("sha256",), digests_only=True)
+    router, stager = FakeRouter(), SendStager(staging)
+    work = DigestWork(sched, router, stager)
+    request = fetch(3, span=(0, messages), stage=steps.stage_id, verify=("sha256",), digests_only=True)
     sched.on_request(b"r", request, "10.0.0.9", 0.0)
-    assert work.run() is False and not router.sent
-    steps.digests["sha256"] = [b"a" * 32, None]
-    assert work.run() is False and not router.sent
-    aborts = sched.expire(time.monotonic() + 2.0)  # the digest work marks progress on the real clock
-    assert [a.code for a in aborts] == ["stalled"]  # type: ignore[union-attr]
+    assert work.run() is True and not router.sent  # message 0's copy issued, not complete: due again
+    steps.digests["sha256"] = [want[0]] + [None] * (messages - 1)  # the pump sent it to a relay meanwhile
+    for _ in range(4 * messages):
+        for engine in device.engines:
+            engine.synchronize()
+        work.run()
+        stager.retain(list(sched.transfers))
+        if router.sent:
+            break
+    peer, reply = router.sent[0]
+    assert (peer, reply.op, reply.seq, reply.dg) == (b"r", wire.OP_DIGESTS, 0, b"".join(want))
+    copied = sum(engine.copied_bytes for engine in device.engines)
+    assert 0 < copied <= sum(len(plain.payload(seq)[0]) for seq in range(1, messages)) + len(plain.payload(0)[0])
+    assert not stager.pending() and all(slot.idle() for slot in stager.ring.slots)
 
 
 # ----------------------------------------------------------------------------- rogue relays on loopback
@@ -696,12 +712,13 @@ def test_digests_are_asked_over_the_question_connection_even_before_it_is_up() -
     # with no question connection left, a data connection carries them
 
 
-def test_members_of_a_source_in_host_memory_read_digests_ahead_however_late_the_answers(
-    make_transport: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("device", [False, True], ids=["host-memory", "fake-device-memory"])
+def test_members_read_digests_ahead_however_late_the_answers(
+    device: bool, make_transport: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every read-ahead is late at once here (patience 0). A member that did not take the header's 'ahead'
-    # would cancel its read-aheads and read ahead no more, as it does from a source that may hold device
-    # memory; the source's staging is in host memory, so each member waits for them and keeps reading ahead.
+    # would cancel its read-aheads and read ahead no more, as it does from an earlier source; this source
+    # hashes any message on request (device memory through its pinned ring), so each member waits for them.
     monkeypatch.setattr(planner, "AHEAD_PATIENCE", 0.0)
     ahead: list[Outgoing] = []
     asking = Outgoing._digest_request
@@ -712,6 +729,7 @@ def test_members_of_a_source_in_host_memory_read_digests_ahead_however_late_the_
         return asking(out, index, first, stop, now, is_ahead)
 
     monkeypatch.setattr(Outgoing, "_digest_request", recorded)
-    three_heal_at_once(make_transport(), [make_transport(progress=slow(0.002)) for _ in range(3)], relay_state())
+    source = make_transport(staging=FakeDevice().staging()) if device else make_transport()
+    three_heal_at_once(source, [make_transport(progress=slow(0.002)) for _ in range(3)], relay_state())
     assert ahead, "no member read digests ahead"
     assert all(out.reads_ahead for out in ahead)

@@ -538,8 +538,8 @@ def header_envelope(
     ``digest``: for a receiver that offered to verify, the algorithm of the
     digests this sender serves it (docs/protocol.md, "Digests"); with
     ``digests_ahead``, this sender hashes any message on request, sent or
-    not (the staging is in host memory), so a digest request waits for
-    nothing but its turn.
+    not (device memory through its pinned ring), so a digest request waits
+    for nothing but its turn.
     """
     message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": OP_HEADER, "id": xfer}
     if stage is not None:

@@ -184,6 +184,15 @@ class SendStager:
         assert at == seq, (at, seq)
         self._ring.release(slot, tracker=tracker)
 
+    def forget(self, key: Hashable, seq: int) -> None:
+        """Message ``seq``, issued for ``key``, will not be taken (it was hashed meanwhile, as the pump sent it):
+        its buffer is reusable once its copy completes."""
+        lane = self._lanes.get(key)
+        if lane is not None and lane.queued and lane.queued[0][0] == seq:
+            _, slot = lane.queued.popleft()
+            event, slot.event = slot.event, None
+            self._ring.release(slot, event=event)
+
     def retain(self, keys: Collection[Hashable]) -> None:
         """Forget the lanes of transfers not in ``keys`` (finished, aborted, cancelled)."""
         for key in [k for k in self._lanes if k not in keys]:

@@ -49,7 +49,7 @@ class SendHeader:
     stage_id: int | None = None  # the staging's id (announces that span fetches are served)
     relay: wire.RelayOrder | None = None  # for a receiver that offered to relay
     digest: str | None = None  # for a receiver that offered to verify: the algorithm of its digests
-    digests_ahead: bool = False  # ... and this side hashes any message on request (no device memory)
+    digests_ahead: bool = False  # ... and this side hashes any message on request, sent or not
 
     @property
     def key(self) -> Key:

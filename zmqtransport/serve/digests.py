@@ -15,9 +15,14 @@ most once per algorithm and keeps the digest with the staging
   scheduler's digest transfers (``Transfer.digests_only``) by hashing the
   staged memory, at most :data:`ROUND_BYTES` per round so data keeps flowing,
   then sends one ``digests`` reply and forgets the transfer. A message whose
-  bytes live in device memory is not read here: its digest comes from the pump,
-  which hashes what it sends to a relay (the only way a relay can hold it), and
-  the transfer waits for it within the stall bound.
+  bytes live in device memory is hashed from a copy in the stager's pinned
+  ring, the path the pump sends it by (one message at a time per request;
+  the pump may hash it first, as it sends it to a relay). So every staging
+  hashes any message on request, sent or not, and its header says so
+  (``ahead``): before, a device staging answered a run only once the pump had
+  sent all of it, members cancelled their read-aheads and asked for every
+  span's digests alone, and at a job start of 256 that made this thread the
+  bound (docs/sim.md, "A source in device memory at job scale").
 
 Only the serving thread uses these; they read staged memory only while the
 scheduler still serves the staging (a disallow ends the digest transfers
@@ -38,6 +43,7 @@ from .staged import Staged
 from .transfers import Key, Transfer
 
 if TYPE_CHECKING:
+    from ..device import SendStager
     from .scheduler import Scheduler
 
 # What digests are computed from: a staging, or the copy a disallow left its running receives.
@@ -46,6 +52,9 @@ Hashed = Staged | Snapshot
 # Bytes hashed per serving round for digest requests: about 2-8 ms at 1-4 GB/s,
 # so a request never holds up the data pump (or a disallow) for long.
 ROUND_BYTES = 8 << 20
+# Seconds the serving thread waits for a device message's copy to host memory
+# when only digest work is due (the pump's STAGING_WAIT): no spin meanwhile.
+COPY_WAIT = 0.002
 
 
 def cached(staged: Hashed, algorithm: Algorithm, seq: int) -> bytes | None:
@@ -93,11 +102,15 @@ class _Partial:
 class DigestWork:
     """Answers digest transfers with bounded hashing per round (the serving thread alone)."""
 
-    def __init__(self, scheduler: Scheduler, router: Router, round_bytes: int = ROUND_BYTES) -> None:
+    def __init__(
+        self, scheduler: Scheduler, router: Router, stager: SendStager, round_bytes: int = ROUND_BYTES
+    ) -> None:
         self._scheduler = scheduler
         self._router = router
+        self._stager = stager
         self._round_bytes = round_bytes
         self._partial: dict[Key, _Partial] = {}
+        self._copying = False  # a device message's copy to host memory is on its way this round
 
     def run(self) -> bool:
         """Hash up to the round's budget and answer the transfers that are done. True: more hashing is due now."""
@@ -106,6 +119,7 @@ class DigestWork:
             del self._partial[key]  # cancelled, disallowed or dropped
         budget = self._round_bytes
         due = False
+        self._copying = False
         for transfer in jobs:
             budget = self._advance(transfer, budget)
             if transfer.done:
@@ -114,6 +128,9 @@ class DigestWork:
                 due = True
             else:
                 due = due or host_readable(self._staged(transfer), transfer.next_seq)
+        if self._copying and not due:
+            self._stager.wait(COPY_WAIT)  # for a copy (or a free buffer), rather than spin through the poller
+            due = True
         return due
 
     def _staged(self, transfer: Transfer) -> Hashed:
@@ -129,12 +146,18 @@ class DigestWork:
         progressed = False
         while not transfer.done and budget > 0:
             seq = transfer.next_seq
-            if cached(staged, hashing.algorithm, seq) is None:
-                if not host_readable(staged, seq):
-                    break  # the pump hashes it when it sends it; wait (within the stall bound)
+            if cached(staged, hashing.algorithm, seq) is not None:
+                self._stager.forget(transfer.key, seq)  # the pump hashed it meanwhile: a copy issued here goes
+            elif host_readable(staged, seq):
                 budget -= self._hash_some(transfer, staged, hashing.algorithm, budget)
                 if cached(staged, hashing.algorithm, seq) is None:
                     break  # the budget ran out inside this message
+            else:
+                hashed = self._hash_device(transfer, staged, hashing.algorithm, seq)
+                if not hashed:
+                    self._copying = True
+                    break  # its copy to host memory is on its way, or waits for a free buffer
+                budget -= hashed
             transfer.next_seq += 1
             progressed = True
         if progressed:
@@ -157,6 +180,22 @@ class DigestWork:
             remember(staged, algorithm, seq, partial.hasher.digest())
             del self._partial[transfer.key]
         return take
+
+    def _hash_device(self, transfer: Transfer, staged: Hashed, algorithm: Algorithm, seq: int) -> int:
+        """Hash device message ``seq`` from its copy in the stager's ring; returns the bytes hashed (0: not
+        copied yet). One message at a time for ``transfer``: a request never holds more than one buffer."""
+        plan = staged.device_plan
+        assert plan is not None  # not host_readable
+        if not self._stager.ready(transfer.key, plan, seq, 1):
+            return 0
+        view = self._stager.take(transfer.key, seq)
+        if view is None:
+            return 0
+        hasher = algorithm.new()
+        hasher.update(view)
+        remember(staged, algorithm, seq, hasher.digest())
+        self._stager.sent(transfer.key, seq, None)  # nothing else reads that buffer: free at once
+        return max(1, len(view))
 
     def _answer(self, transfer: Transfer) -> None:
         staged = self._staged(transfer)

@@ -359,9 +359,9 @@ class Scheduler:
             order is not None and (order.upstream is not None or algorithm is not None)
         )
         digest = algorithm.name if algorithm is not None else None
-        # Device memory is hashed only as the pump sends it (serve/digests.py): a receiver reading digests
-        # ahead of the sends must not wait on those, so only a staging wholly in host memory says it hashes ahead.
-        ahead = digest is not None and staged.device_plan is None
+        # Every staging hashes any message on request, device memory through the stager (serve/digests.py):
+        # a receiver may read digests ahead of the sends and wait for a late answer.
+        ahead = digest is not None
         header = SendHeader(
             peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest, ahead
         )

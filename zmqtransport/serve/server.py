@@ -189,7 +189,7 @@ class Server:
         self._disallows = Disallows(self._scheduler, self._stager, staging, self._held, timeout, cap, self._command)
         self._notices = Notices(logger)  # WARNINGs about peers: one per peer and kind, repeats summed up
         self._pump = DataPump(self._scheduler, self._router, self._stager, self._held, self._notices)
-        self._digests = DigestWork(self._scheduler, self._router)
+        self._digests = DigestWork(self._scheduler, self._router, self._stager)
         self._hashing_due = False  # digest requests have bytes left to hash now
         self._sent = SentLog()
         self._outbox = Outbox(self._router, self._scheduler, self._sent, self._notices)

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from .. import wire
 from ..codec.tensors import EncodedTree
@@ -19,24 +19,21 @@ from ..serve.scheduler import Scheduler
 from ..serve.staged import Staged
 from . import model
 from .loop import Loop
-from .nodes import STALL, TIMEOUT, DeviceMemory, Member, Net, Server, content
+from .nodes import STALL, TIMEOUT, Member, Net, Server, content
 
 TENSOR_BYTES = 4 * model.MIB  # the benchmark's state: 4 MiB tensors
 PACK_BELOW = 64 * 1024  # transport.DEFAULT_PACK_BELOW
 HEADER_BYTES = 4096  # a header of that many tensors, about
 
 
-def staged_state(mib: float, chunk_bytes: int | None = None, device: bool = False) -> Staged:
+def staged_state(mib: float, chunk_bytes: int | None = None) -> Staged:
     """The benchmark's state of ``mib`` MiB, cut as the source cuts it (``chunk_bytes``: the transport's option;
-    None: :func:`wire.frame_bytes`); ``device``: every message built from device memory."""
+    None: :func:`wire.frame_bytes`)."""
     total = int(mib * model.MIB)
     storages = [TENSOR_BYTES] * (total // TENSOR_BYTES) + ([total % TENSOR_BYTES] if total % TENSOR_BYTES else [])
     chunk = wire.frame_bytes(total, PACK_BELOW) if chunk_bytes is None else chunk_bytes
     plan = wire.plan_chunks(storages, chunk, PACK_BELOW)
-    staged = Staged(STEP_0, bytes(HEADER_BYTES), EncodedTree(skeleton=None), plan, None)
-    if device:
-        staged.device_plan = cast(Any, DeviceMemory((True,) * len(plan)))  # only its chunks are read (host_readable)
-    return staged
+    return Staged(STEP_0, bytes(HEADER_BYTES), EncodedTree(skeleton=None), plan, None)
 
 
 STEP_0 = 0
@@ -73,7 +70,6 @@ def simulate(
     chunk_bytes: int | None = None,
     measured_mbit: float | None = None,
     after_return: bool = True,
-    device_source: bool = False,
 ) -> dict[str, Any]:
     """One job start: a source and ``receivers`` receivers starting together. Returns the figures.
 
@@ -92,8 +88,6 @@ def simulate(
     measured yet (a job start), the swarm engages. The source is told how many receive (torchft's
     ``dst_ranks``). ``after_return``: the receivers' ``relay_after_return`` (a member that is done serves the
     others until every receive has ended: torchft's ``disallow_checkpoint``); False: a short tail, then not.
-    ``device_source``: the source's state is in device memory (a GPU job): it hashes a message only as it
-    sends it, so a digest request waits for the messages not sent yet, and its header offers no digests ahead.
     """
     rng = random.Random(seed)  # noqa: S311 (a model's draws, reproducible by seed; nothing secret)
     loop, started, cpu_started = Loop(), time.monotonic(), time.process_time()
@@ -103,7 +97,7 @@ def simulate(
     def cores_for() -> model.Cores:
         return pool if pool is not None else model.Cores(cores)
 
-    staged = staged_state(mib, chunk_bytes, device_source)
+    staged = staged_state(mib, chunk_bytes)
     staged.receivers = receivers
     state_bytes = wire.plan_bytes(staged.plan)
     source_host = host("10.0.0.1", rate_mbit, latency, cores_for(), tbf)
@@ -229,9 +223,6 @@ def main(argv: Sequence[str] | None = None, plot: PlotCommand | None = None) -> 
                              "a swarm pays (default: nothing measured, a job start: the swarm engages)")
     parser.add_argument("--no-after-return", action="store_true",
                         help="relay_after_return=False: a member stops serving as its receive returns")
-    parser.add_argument("--device-source", action="store_true",
-                        help="the source's state is in device memory: it hashes a message only as it sends it, "
-                             "and its header does not offer digests ahead")
     parser.add_argument("--json", action="store_true", help="the per-receiver rows too, before the summary")
     parser.add_argument("--verbose", action="store_true", help="the planners' log (peers dropped and why)")
     parser.add_argument("--plot", type=Path, metavar="PATH",
@@ -254,8 +245,7 @@ def main(argv: Sequence[str] | None = None, plot: PlotCommand | None = None) -> 
                       args.latency_ms / 1000, args.cores, args.shared_cores, not args.no_relay,
                       args.source_transfers, tbf=args.tbf,
                       chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
-                      measured_mbit=args.measured_mbit, after_return=not args.no_after_return,
-                      device_source=args.device_source)
+                      measured_mbit=args.measured_mbit, after_return=not args.no_after_return)
     rows = result.pop("per_receiver")
     if args.json:
         for row in rows:

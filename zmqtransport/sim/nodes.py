@@ -38,14 +38,6 @@ from .loop import Loop
 SHA = digests.algorithm(digests.SHA256)
 STEP = 0  # torchft's job start heals at step 0
 TIMEOUT = 600.0  # the receives' deadline, simulated seconds
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    """A staging's memory as a source on a GPU holds it (``Staged.device_plan``): each message built from
-    device memory, so the source hashes a message only as it sends it (serve/digests.py)."""
-
-    chunks: tuple[bool, ...]
 STALL = 5.0  # the transport's default stall bound (transport.DEFAULT_STALL_TIMEOUT)
 EXPIRE_EVERY = 0.25  # how often a server's scheduler is asked to expire what is late
 
@@ -168,7 +160,6 @@ class Server:
         self.staged = staged
         self.conns: dict[bytes, Conn] = {}
         self.hashed: set[int] = set()  # messages the source hashed (once per staging)
-        self.sent: set[int] = set()  # messages the source sent at least once (device memory: hashed as sent)
         self._turn = 0
         self._last_turn: dict[tuple[bytes, int], int] = {}  # transfer -> the turn it last sent on
         self._pumping = False
@@ -263,12 +254,8 @@ class Server:
                     self.reply(conn, action.envelope(), 0)
 
     def _answer_digests(self) -> None:
-        """What serve.digests.DigestWork does: hash each message once, answer each digest request. From device
-        memory only what the pump has sent is hashed (its cost charged there): a request waits for the rest."""
-        device = self.staged is not None and self.staged.device_plan is not None
+        """What serve.digests.DigestWork does: hash each message once, answer each digest request."""
         for transfer in [t for t in self.scheduler.transfers.values() if t.digests_only]:
-            if device and not all(seq in self.sent for seq in range(transfer.first, transfer.stop)):
-                continue  # answered once the pump has sent the rest (or ended at the stall bound)
             del self.scheduler.transfers[transfer.key]
             conn = self.conns.get(transfer.peer)
             fresh = [seq for seq in range(transfer.first, transfer.stop) if seq not in self.hashed]
@@ -309,21 +296,13 @@ class Server:
         conn = self.conns[transfer.peer]
         seq = transfer.next_seq
         size = wire.chunk_length(transfer.staged.plan[seq]) if hasattr(transfer.staged, "plan") else 0
-        device = self.staged is not None and self.staged.device_plan is not None
         if self.is_source:
             cost = model.SOURCE_PER_MESSAGE + size * model.SOURCE_PER_BYTE
-            if device and transfer.hashing is not None and seq not in self.hashed:
-                self.hashed.add(seq)  # serve/pump.py's envelope_digest: what goes to a member, hashed as sent
-                cost += size * model.SOURCE_HASH_PER_BYTE
         else:
             cost = model.RELAY_PER_MESSAGE + size * model.RELAY_PER_BYTE
         self.reply(conn, wire.data_envelope(transfer.xfer, seq, None), size, cost=cost, data=True)
         self.execute(self.scheduler.sent(transfer, self.net.loop.now))
         if self.is_source:
-            fresh = seq not in self.sent
-            self.sent.add(seq)
-            if device and fresh:
-                self._answer_digests()  # a digest request may have waited for this message
             self._watch()
 
     def _watch(self) -> None:
