@@ -49,11 +49,16 @@ class SendHeader:
     stage_id: int | None = None  # the staging's id (announces that span fetches are served)
     relay: wire.RelayOrder | None = None  # for a receiver that offered to relay
     digest: str | None = None  # for a receiver that offered to verify: the algorithm of its digests
-    digests_ahead: bool = False  # ... and this side hashes any message on request, sent or not
 
     @property
     def key(self) -> Key:
         return (self.peer, self.xfer)
+
+    @property
+    def digests_ahead(self) -> bool:
+        """Said beside every ``digest``: each staging hashes any message on request, sent or not (device
+        memory through the stager's ring, serve/digests.py), so a receiver may wait for a late read-ahead."""
+        return self.digest is not None
 
 
 @dataclass(frozen=True)

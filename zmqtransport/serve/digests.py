@@ -110,7 +110,6 @@ class DigestWork:
         self._stager = stager
         self._round_bytes = round_bytes
         self._partial: dict[Key, _Partial] = {}
-        self._copying = False  # a device message's copy to host memory is on its way this round
 
     def run(self) -> bool:
         """Hash up to the round's budget and answer the transfers that are done. True: more hashing is due now."""
@@ -118,17 +117,16 @@ class DigestWork:
         for key in [key for key in self._partial if key not in self._scheduler.transfers]:
             del self._partial[key]  # cancelled, disallowed or dropped
         budget = self._round_bytes
-        due = False
-        self._copying = False
+        due = copying = False
         for transfer in jobs:
             budget = self._advance(transfer, budget)
             if transfer.done:
                 self._answer(transfer)
-            elif budget <= 0:
+            elif budget <= 0 or host_readable(self._staged(transfer), transfer.next_seq):
                 due = True
             else:
-                due = due or host_readable(self._staged(transfer), transfer.next_seq)
-        if self._copying and not due:
+                copying = True  # stopped at a device message: its copy to host memory is on its way
+        if copying and not due:
             self._stager.wait(COPY_WAIT)  # for a copy (or a free buffer), rather than spin through the poller
             due = True
         return due
@@ -154,8 +152,7 @@ class DigestWork:
                     break  # the budget ran out inside this message
             else:
                 hashed = self._hash_device(transfer, staged, hashing.algorithm, seq)
-                if not hashed:
-                    self._copying = True
+                if hashed is None:
                     break  # its copy to host memory is on its way, or waits for a free buffer
                 budget -= hashed
             transfer.next_seq += 1
@@ -181,21 +178,21 @@ class DigestWork:
             del self._partial[transfer.key]
         return take
 
-    def _hash_device(self, transfer: Transfer, staged: Hashed, algorithm: Algorithm, seq: int) -> int:
-        """Hash device message ``seq`` from its copy in the stager's ring; returns the bytes hashed (0: not
+    def _hash_device(self, transfer: Transfer, staged: Hashed, algorithm: Algorithm, seq: int) -> int | None:
+        """Hash device message ``seq`` from its copy in the stager's ring; returns the bytes hashed (None: not
         copied yet). One message at a time for ``transfer``: a request never holds more than one buffer."""
         plan = staged.device_plan
         assert plan is not None  # not host_readable
         if not self._stager.ready(transfer.key, plan, seq, 1):
-            return 0
+            return None
         view = self._stager.take(transfer.key, seq)
         if view is None:
-            return 0
+            return None
         hasher = algorithm.new()
         hasher.update(view)
         remember(staged, algorithm, seq, hasher.digest())
         self._stager.sent(transfer.key, seq, None)  # nothing else reads that buffer: free at once
-        return max(1, len(view))
+        return len(view)
 
     def _answer(self, transfer: Transfer) -> None:
         staged = self._staged(transfer)

@@ -359,12 +359,7 @@ class Scheduler:
             order is not None and (order.upstream is not None or algorithm is not None)
         )
         digest = algorithm.name if algorithm is not None else None
-        # Every staging hashes any message on request, device memory through the stager (serve/digests.py):
-        # a receiver may read digests ahead of the sends and wait for a late answer.
-        ahead = digest is not None
-        header = SendHeader(
-            peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest, ahead
-        )
+        header = SendHeader(peer, request.xfer, staged.header_body, header_only, parked, staged.stage_id, order, digest)
         if header_only:
             self.withdrawals.reader(peer)  # it fetches spans as it goes
             return [header]
