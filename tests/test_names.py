@@ -246,3 +246,38 @@ def test_a_member_asking_under_anothers_token_delays_that_one_by_a_question_at_m
         [second] = victim.learn(answer(swarm, 0, victim.names())[1])
         assert (second.at, second.token) == (at(n), token(n)) and victim.names() == NAMES_SHORT
     assert sorted(victim.tokens.values()) == [token(n) for n in range(1, 20)]
+
+
+def test_answers_kept_between_questions_are_what_a_fresh_reckoning_gives() -> None:
+    """The source keeps each member's last answer of numbers alone and its members by token, so a question
+    costs the same at 16 members as at 256 (it built a dictionary of every member per question:
+    scripts/source_questions.py). Members join, leave, are named under new paths, and ask with each kind
+    of names, in a seeded random order; every answer equals the one a swarm that forgets what it kept
+    reckons afresh, and a member that left is no longer found."""
+    import random
+
+    rng = random.Random(5)
+    kept, fresh = swarm_of(70), swarm_of(70)
+    joined = 70
+    for _ in range(3000):
+        tokens = [m.token for m in kept.members]
+        roll = rng.random()
+        if roll < 0.03:
+            for swarm in (kept, fresh):
+                swarm.join(token(joined), at(joined), token(joined))
+            joined += 1
+        elif roll < 0.05 and tokens:
+            peer = rng.choice(tokens)
+            for swarm in (kept, fresh):
+                swarm.left(peer)
+            assert kept.peers_for(peer, NAMES_SHORT) is None
+        elif roll < 0.06 and tokens:
+            renamed = rng.choice(tokens)  # asked from another address: named anew (as Swarm.seen does)
+            for swarm in (kept, fresh):
+                swarm.members = [m for m in swarm.members if m.token != renamed]
+                swarm.join(renamed, at(int.from_bytes(renamed, "big")), renamed)
+        elif tokens:
+            asker, names = rng.choice(tokens), rng.choice((NAMES_PLAIN, NAMES_FULL, NAMES_SHORT, NAMES_SHORT))
+            fresh._repeats.clear()
+            assert kept.peers_for(asker, names) == fresh.peers_for(asker, names)
+    assert [m.token for m in kept.members] == [m.token for m in fresh.members]

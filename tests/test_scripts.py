@@ -72,3 +72,10 @@ def test_tbf_backlog_reads_the_backlog_of_tbf_queues_only(monkeypatch: pytest.Mo
         "h1n0: 4 samples, 3 with a queue: median 200 KiB, 90th percentile 300 KiB, largest 300 KiB",
         "h2n0: 2 samples, never a queue",
     ]
+
+
+@pytest.mark.system
+def test_source_questions_times_a_few_members_questions() -> None:
+    out = run_script("source_questions.py", "--members", "3", "--rounds", "2", "--trials", "1", "--pattern", "burst",
+                     timeout=120)
+    assert "us/question" in out and "burst" in out

@@ -62,7 +62,16 @@ class Swarm:
         # Whether this side serves with CurveZMQ: an offer is believed only with the same
         # security (a member's metadata the next receivers could not use would fail them).
         self.curve = curve
-        self.members: list[Member] = []
+        self._members: list[Member] = []
+        # The members by token, kept beside the list: a member's every question to the source looks itself
+        # up, and a dictionary built per question cost O(members) each, O(members^2) a round of questions.
+        self._by_token: dict[bytes, Member] = {}
+        # Bumped whenever a member joins, leaves or is renamed: an answer computed at one version is the
+        # same at the next question while it holds (_repeats).
+        self._version = 0
+        # By asker's token: (version, the answer of numbers alone) that its next NAMES_SHORT question gets
+        # while nothing changed: every member it is named was named to it in the answer before.
+        self._repeats: dict[bytes, tuple[int, tuple[int, ...]]] = {}
         # By token: what a member offered, and the addresses its connections came from.
         self.offers: dict[bytes, tuple[str, frozenset[str]]] = {}
         # The digest algorithm the verifying members chose: what they will ask the source
@@ -85,6 +94,17 @@ class Swarm:
         self.aside = False
         self._aside_at = float("-inf")
 
+    @property
+    def members(self) -> list[Member]:
+        """The members, in the order they joined (a rejoin moves to the end). Assign, do not mutate."""
+        return self._members
+
+    @members.setter
+    def members(self, members: list[Member]) -> None:
+        self._members = members
+        self._by_token = {member.token: member for member in members}
+        self._version += 1
+
     def join(self, peer: bytes, at: str, token: bytes, follows: bool = True) -> wire.RelayOrder:
         """A receiver offered to relay: its token, and the members it may fetch from (the newest last).
 
@@ -95,14 +115,17 @@ class Swarm:
         # A receiver asking again (a retry on the same connection) rejoins at the end, never beside itself.
         self.left(peer)
         known = self._peers(self.members) if follows else ()
-        self.members.append(Member(peer, at, token, self._number()))
+        member = Member(peer, at, token, self._number())
+        self._members.append(member)
+        self._by_token[token] = member
+        self._version += 1
         for asker, named in self.named.items():
             entry = (wire.rank(wire.NAMED, asker, token), token)
             if len(named) < wire.MAX_PEERS or entry < named[-1]:
                 bisect.insort(named, entry)
                 del named[wire.MAX_PEERS :]
         if len(self.members) > MAX_MEMBERS:
-            del self.members[:-MAX_MEMBERS]
+            self.members = self.members[-MAX_MEMBERS:]
             self._forget_non_members()
         if not known:
             return wire.RelayOrder(token)
@@ -152,9 +175,13 @@ class Swarm:
         views and most others in a few: the model's slowest receive took
         1.90-1.93x the ideal, 1.69-1.70x ranked (docs/sim.md, "Balanced views").
         """
-        by_token = {member.token: member for member in self.members}
+        by_token = self._by_token
         if token not in by_token:
             return None
+        if names == wire.NAMES_SHORT:
+            repeat = self._repeats.get(token)
+            if repeat is not None and repeat[0] == self._version:
+                return repeat[1]  # nothing changed since the last answer named them all: numbers alone
         named = self.named.get(token)
         if named is None:
             ranked = ((wire.rank(wire.NAMED, token, other), other) for other in by_token if other != token)
@@ -163,7 +190,9 @@ class Swarm:
         if names == wire.NAMES_PLAIN:
             return self._peers(others)
         told = self.told.get(token, frozenset()) if names == wire.NAMES_SHORT else frozenset()
-        self.told[token] = frozenset(member.number for member in others)
+        numbers = tuple(member.number for member in others)
+        self.told[token] = frozenset(numbers)
+        self._repeats[token] = (self._version, numbers)
         return tuple(m.number if m.number in told else (m.at, m.token, m.number) for m in others)
 
     def steps_aside(self, pays: Callable[[], bool | None], now: float) -> bool:
@@ -231,6 +260,7 @@ class Swarm:
         self._cursor = 0
         self.sent = 0
         self.told = {}
+        self._repeats = {}
         self.named = {}
         self.aside, self._aside_at = False, float("-inf")
 
@@ -239,6 +269,7 @@ class Swarm:
         tokens = {member.token for member in self.members}
         self.offers = {token: offer for token, offer in self.offers.items() if token in tokens}
         self.told = {asker: told for asker, told in self.told.items() if asker in tokens}
+        self._repeats = {asker: repeat for asker, repeat in self._repeats.items() if asker in tokens}
         # An asker that was named a leaver is ranked afresh when it next asks: filled by later joiners
         # alone, its list would miss members ranked just past its old last.
         self.named = {
@@ -252,7 +283,7 @@ class Swarm:
         return self._numbers
 
     def _member(self, token: bytes) -> bool:
-        return any(member.token == token for member in self.members)
+        return token in self._by_token
 
     @staticmethod
     def _peers(members: list[Member]) -> tuple[wire.Peer, ...]:
