@@ -129,8 +129,8 @@ def test_members_done_first_serve_the_slow_ones_until_every_receive_has_ended() 
     on = simulate(16, mib=32, mixed=True)
     off = simulate(16, mib=32, mixed=True, after_return=False)  # a 10 ms tail, as before
     assert on["completed"] == off["completed"] == 16
-    assert on["upload_over_state"] < 2.4 < off["upload_over_state"]  # 1.92 against 2.95 states
-    assert on["simulated_s"] < off["simulated_s"]  # the job ends sooner: 3.23 s against 3.71 s
+    assert on["upload_over_state"] < 2.0 < off["upload_over_state"]  # 1.82 against 2.29 states
+    assert on["simulated_s"] < off["simulated_s"]  # the job ends sooner: 3.24 s against 4.10 s
 
 
 def test_members_that_asked_a_liar_late_drop_it_at_the_other_peers_pace() -> None:

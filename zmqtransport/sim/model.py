@@ -34,7 +34,10 @@ control messages, of the direct receives 108.
   of the loop's turn (fitted with the data message's figure to the direct receive), on the receiving
   thread;
 * a control message: 0.09 ms on each side (the rest of a member's swarm work, its receiving thread
-  three to four times a direct receive's);
+  three to four times a direct receive's); a request that reaches a serving thread still busy with
+  earlier work 0.01 ms (``QUEUED_REQUEST``: read in a turn of its loop already paid for; measured on a
+  real source with ``scripts/source_questions.py``, 2026-12-06, docs/sim.md, "Questions to a busy
+  source");
 * a data message: received 0.08 ms beyond its pass and bytes; served onward 0.025 ms (the serving
   thread's 0.02-0.03 CPU-s, less its copies and its control messages); sent by the source 0.021 ms
   (its direct sends: 0.081 CPU-s, less its control messages, at 0.30 CPU-s/GiB);
@@ -69,6 +72,14 @@ RECV_PER_MESSAGE = 0.08e-3  # a data message received: wake-up, envelope, bookke
 RELAY_PER_MESSAGE = 0.025e-3  # a data message a member serves onward: the serving thread's wake-up, its send
 SOURCE_PER_MESSAGE = 0.021e-3  # a data message the source sends
 CONTROL_PER_MESSAGE = 0.09e-3  # a control message, on each side (sent or received)
+# A request that reaches a serving thread still busy with earlier work: read in the same turn of its loop
+# (no poll, no wake-up, no housekeeping of its own), so it costs its decoding and the scheduler's decision
+# alone. Measured on a real source (scripts/source_questions.py, 2026-12-06): a member's question and its
+# answer cost the source's process 0.19 ms where each question woke its serving thread (``--pattern
+# gap``; the model: two control messages, 0.18 ms) and 0.045-0.06 ms where questions queued (``burst``,
+# 16-255 members). The model keeps the answer's 0.09 ms, so a queued question and its answer cost 0.10
+# ms here: twice what the source measured, on the side of caution.
+QUEUED_REQUEST = 0.01e-3
 # A pass of the receive planner (tick and wake_at) walks its lanes: two per peer (data, questions) and
 # the source's. Measured in this simulator (time.perf_counter around the real planner's tick and wake_at,
 # 64 MiB, shaped; 2026-12-06, this machine): 56 us a pass at 6 lanes (3 receivers), 92 at 22 (11), 214 at

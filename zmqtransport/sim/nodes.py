@@ -480,8 +480,10 @@ class Member:
 
         def arrive() -> None:
             if not conn.closed:
-                cost = model.CONTROL_PER_MESSAGE
-                done = server.host.serving.run(self.net.loop.now, cost)
+                serving, now = server.host.serving, self.net.loop.now
+                # A request that finds the serving thread busy is read in a turn already paid for.
+                cost = model.CONTROL_PER_MESSAGE if serving.free_at <= now else model.QUEUED_REQUEST
+                done = serving.run(now, cost)
                 self.net.loop.at(done, lambda: server.request(conn, frame))
 
         self.net.send(self.host, server.host, ready, len(frame) + model.FRAME_OVERHEAD, False, arrive)
