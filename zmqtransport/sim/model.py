@@ -75,8 +75,8 @@ CONTROL_PER_MESSAGE = 0.09e-3  # a control message, on each side (sent or receiv
 # A request that reaches a serving thread still busy with earlier work: read in the same turn of its loop
 # (no poll, no wake-up, no housekeeping of its own), so it costs its decoding and the scheduler's decision
 # alone. Measured on a real source (scripts/source_questions.py, 2026-12-06): a member's question and its
-# answer cost the source's process 0.19 ms where each question woke its serving thread (``--pattern
-# gap``; the model: two control messages, 0.18 ms) and 0.045-0.06 ms where questions queued (``burst``,
+# answer cost the source's process 0.12-0.2 ms where each question woke its serving thread (``--pattern
+# gap``; the model: two control messages, 0.18 ms) and 0.04-0.07 ms where questions queued (``burst``,
 # 16-255 members). The model keeps the answer's 0.09 ms, so a queued question and its answer cost 0.10
 # ms here: twice what the source measured, on the side of caution.
 QUEUED_REQUEST = 0.01e-3
