@@ -265,8 +265,8 @@ class Swarm:
         self.aside, self._aside_at = False, float("-inf")
 
     def _forget_non_members(self) -> None:
-        # One set per call: a check per entry against the list was O(members^2) at every leave.
-        tokens = {member.token for member in self.members}
+        # The members' tokens, as indexed: a check per entry against the list was O(members^2) at every leave.
+        tokens = self._by_token
         self.offers = {token: offer for token, offer in self.offers.items() if token in tokens}
         self.told = {asker: told for asker, told in self.told.items() if asker in tokens}
         self._repeats = {asker: repeat for asker, repeat in self._repeats.items() if asker in tokens}
