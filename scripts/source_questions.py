@@ -36,6 +36,7 @@ import multiprocessing as mp
 import os
 import time
 from datetime import timedelta
+from queue import Empty
 from typing import Any
 
 import torch
@@ -51,8 +52,11 @@ def member_address(k: int) -> str:
     return f"127.0.{1 + k // 50}.{1 + k % 50}"
 
 
-def ask(endpoint: str, members: int, rounds: int, pattern: str, gap: float, queue: Any) -> None:
-    """The members' side, in one process: join as members, then ask ``rounds`` rounds of questions."""
+def ask(endpoint: str, members: int, rounds: int, pattern: str, gap: float, told: Any, queue: Any) -> None:
+    """The members' side, in one process: join as members, then ask ``rounds`` rounds of questions.
+
+    ``told`` carries the parent's word to start, ``queue`` this side's reports: one queue for both ways let
+    the parent read back its own "go" (the child then waited for ever; CI, 2026-12-06)."""
     from zmqtransport import wire
 
     context = zmq.Context()
@@ -62,6 +66,7 @@ def ask(endpoint: str, members: int, rounds: int, pattern: str, gap: float, queu
             sock = context.socket(zmq.DEALER)
             sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, int(TIMEOUT.total_seconds() * 1000))  # a lost answer fails, not hangs
             sock.connect(endpoint.replace("tcp://", f"tcp://{member_address(k)}:0;"))
             sockets.append(sock)
         tokens: list[bytes] = []
@@ -78,7 +83,7 @@ def ask(endpoint: str, members: int, rounds: int, pattern: str, gap: float, queu
             tokens.append(reply.relay.token)
             stage = reply.stage
         queue.put("ready")
-        queue.get()
+        told.get(timeout=TIMEOUT.total_seconds())
         xfer, started = 1_000_000, time.perf_counter()
         for _ in range(rounds):
             if pattern == "burst":
@@ -101,6 +106,18 @@ def ask(endpoint: str, members: int, rounds: int, pattern: str, gap: float, queu
         context.term()
 
 
+def report(queue: Any, child: Any) -> Any:
+    """The child's next report; SystemExit as soon as it has died without one, or after :data:`TIMEOUT`."""
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=0.5)
+        except Empty:
+            if not child.is_alive():
+                raise SystemExit(f"the members' process ended (exit code {child.exitcode}) without a report") from None
+    raise SystemExit(f"no report from the members' process in {TIMEOUT.total_seconds():.0f} s")
+
+
 def measure(members: int, rounds: int, pattern: str, gap: float) -> tuple[float, float]:
     """(source CPU seconds per question, questions a second) for one case."""
     from zmqtransport import ZMQTransport, relayed
@@ -111,18 +128,25 @@ def measure(members: int, rounds: int, pattern: str, gap: float) -> tuple[float,
         transport._server._scheduler.uplink.per_receiver = math.inf  # a swarm whatever the uplink measures
         state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(16)}  # 64 MiB
         transport.send_checkpoint(list(range(1, members + 1)), STEP, state, TIMEOUT)
-        queue: Any = mp.get_context("spawn").Queue()
-        child = mp.get_context("spawn").Process(
-            target=ask, args=(transport.metadata(), members, rounds, pattern, gap, queue)
+        spawn = mp.get_context("spawn")
+        told: Any = spawn.Queue()
+        queue: Any = spawn.Queue()
+        child = spawn.Process(
+            target=ask, args=(transport.metadata(), members, rounds, pattern, gap, told, queue), daemon=True
         )
         child.start()
-        if queue.get(timeout=TIMEOUT.total_seconds()) != "ready":
-            raise SystemExit("the members did not join")
-        cpu = time.process_time()
-        queue.put("go")
-        wall = queue.get(timeout=TIMEOUT.total_seconds())
-        cpu = time.process_time() - cpu
-        child.join(TIMEOUT.total_seconds())
+        try:
+            if report(queue, child) != "ready":
+                raise SystemExit("the members did not join")
+            cpu = time.process_time()
+            told.put("go")
+            wall = report(queue, child)
+            cpu = time.process_time() - cpu
+            child.join(TIMEOUT.total_seconds())
+        finally:
+            if child.is_alive():
+                child.kill()
+                child.join()
         questions = members * rounds
         return cpu / questions, questions / wall
     finally:
