@@ -766,3 +766,35 @@ def test_the_first_step_of_each_method_is_reported_beside_the_medians() -> None:
     warmed = Scenario("fast-1to3", 256 << 20, 4 << 20, receivers=2, methods=("zmq-fresh",), warmup=1,
                       lab=LabSpec(shaped=False))
     assert summarize(warmed, trials)["zmq-fresh"].first_step_s is None
+
+
+def test_the_receiving_threads_profile_charges_a_function_its_cpu_not_its_wait_for_the_gil() -> None:
+    """A function that waits (asleep, while another thread runs Python) owns none of its wait (with cProfile's
+    default wall clock, ``waiting`` below owned the whole 0.3 s)."""
+    import threading
+    import time
+
+    from zmqtransport.bench.profiling import thread_profiler, top_functions
+
+    done = threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            sum(range(1000))
+
+    def waiting() -> None:
+        time.sleep(0.3)
+
+    other = threading.Thread(target=spin)
+    other.start()
+    profiler = thread_profiler()
+    try:
+        profiler.enable()
+        waiting()
+        profiler.disable()
+    finally:
+        done.set()
+        other.join()
+    own = {label: seconds for label, _, seconds, _ in top_functions(profiler, 100)}
+    charged = sum(seconds for label, seconds in own.items() if "waiting" in label or "sleep" in label)
+    assert charged < 0.05, own

@@ -7,7 +7,6 @@ that host's network namespace before it opens any socket.
 
 from __future__ import annotations
 
-import cProfile
 import http.server
 import logging
 import os
@@ -32,7 +31,7 @@ from .payload import (
     memcpy_seconds,
     stamp,
 )
-from .profiling import Phases, ThreadClock, process_cpu_seconds, top_functions
+from .profiling import Phases, ThreadClock, process_cpu_seconds, thread_profiler, top_functions
 from .rogue import become_rogue, shutdown_halfway
 
 
@@ -304,7 +303,7 @@ class ReceiverProcess:
             return self._receive_disallowed(step, meter, cpu_before, started)
         profiling = self.scenario.profiling
         functions = profiling is not None and profiling.functions
-        profiler = cProfile.Profile() if self.clock is not None and functions and not self.profiled else None
+        profiler = thread_profiler() if self.clock is not None and functions and not self.profiled else None
         if self.phases is not None:
             self.phases.start()
         if profiler is not None:
