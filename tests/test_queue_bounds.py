@@ -189,3 +189,43 @@ def test_a_flood_of_bad_requests_logs_one_warning_and_its_count(caplog: pytest.L
     finally:
         source.shutdown()
         context.destroy(linger=0)
+
+
+def test_a_connection_paused_on_a_slow_link_is_looked_at_near_its_frames_release_not_every_few_ms() -> None:
+    """The serving thread looks at a paused connection's frames when the oldest should be released at the rate
+    its frames last drained (EARLY_LOOK of the way, then every LATE_LOOKS of that time), not every PAUSED_POLL
+    (which woke it about twenty times a 1 MiB frame at 400 Mbit/s)."""
+    from zmqtransport.serve.frames import EARLY_LOOK, LATE_LOOKS, PAUSED_POLL, RELEASE_POLL
+
+    frames = held(per_connection=64 * MiB)
+    key = (b"a", 1)
+    first = FakeTracker()
+    frames.track(key, first, pinned=True, now=0.0, nbytes=MiB)
+    assert not frames.may_send(key, MiB)  # queued, its drain rate not known yet: paused
+    assert frames.wakeup_in(0.0) == PAUSED_POLL  # nothing to predict from: looked at often
+    first.done = True
+    assert frames.poll(0.064) == {key}  # 1 MiB in 64 ms: about 16 MB/s (a third of a 400 Mbit/s link)
+    drain = 0.064
+    frames.track(key, FakeTracker(), pinned=True, now=0.064, nbytes=MiB)
+    assert not frames.may_send(key, MiB)  # 2 MiB would take 128 ms to drain, over PINNED_DRAIN
+    assert frames.wakeup_in(0.064) == pytest.approx(EARLY_LOOK * drain)
+    assert PAUSED_POLL < EARLY_LOOK * drain < RELEASE_POLL
+    late = 0.064 + EARLY_LOOK * drain + 0.001  # the early look saw nothing: then a tenth of the drain apart
+    assert frames.wakeup_in(late) == pytest.approx(LATE_LOOKS * drain)
+    frames.track((b"b", 1), FakeTracker(), pinned=True, now=0.07, nbytes=MiB)
+    assert not frames.may_send((b"b", 1), MiB)  # another connection, rate unknown: it sets the pace
+    assert frames.wakeup_in(0.07) == PAUSED_POLL
+
+
+def test_a_paused_connection_on_a_fast_link_is_still_looked_at_every_paused_poll() -> None:
+    from zmqtransport.serve.frames import PAUSED_POLL
+
+    frames = held(per_connection=256 * MiB)
+    key = (b"a", 1)
+    first = FakeTracker()
+    frames.track(key, first, pinned=True, now=0.0, nbytes=MiB)
+    first.done = True
+    frames.poll(0.0005)  # 1 MiB in half a millisecond: 2 GB/s
+    frames.track(key, FakeTracker(), pinned=True, now=0.001, nbytes=MiB)
+    assert not frames.may_send(key, 64 * MiB)  # 65 MiB would take 33 ms: over PINNED_DRAIN
+    assert frames.wakeup_in(0.001) == PAUSED_POLL  # its frame drains within half a millisecond

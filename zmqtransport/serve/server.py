@@ -297,6 +297,9 @@ class Server:
                 if self._router.socket in events:
                     self._read_requests()
                 self._links.run(time.monotonic())  # before the pump: a new transfer's baseline precedes its data
+                # Before the pump too: a look that sees a paused connection's frame released sends its next
+                # one in the same pass (after the pump, that took a second pass for each release).
+                self._releases(time.monotonic())
                 self._outbox.execute(self._pump.run())
                 self._hashing_due = self._digests.run()
                 if self._housekeeping():
@@ -365,12 +368,16 @@ class Server:
         for host, why in self._router.refusals():
             self._notices.warn(host, "connection refused", time.monotonic(), "closed a connection of %s: %s", host, why)
 
-    def _housekeeping(self) -> bool:
-        """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
-        now = time.monotonic()
+    def _releases(self, now: float) -> None:
+        """Frames libzmq let go of since the last look: their transfers' progress, and paused sends resumed."""
         self._scheduler.progress(self._held.poll(now), now)
         if self._held.resumed():
             self._scheduler.resume()  # copies were released: transfers held back at the copy bound try again
+
+    def _housekeeping(self) -> bool:
+        """Expire waits and stalls, release frames. Returns True if the socket was rebuilt."""
+        now = time.monotonic()
+        self._releases(now)
         self._outbox.execute(self._scheduler.expire(now))
         self._cut_stuck(now)
         if self._notices.due(now):
