@@ -279,22 +279,25 @@ class HeldFrames(Generic[T]):
         """Seconds until :meth:`poll` should look again (None: nothing held that matters)."""
         if self._starved:
             return PAUSED_POLL
-        looks = [self._release_due(peer, now) for peer in self._paused]
-        held = [frames.last_release for frames in self._frames.values() if frames.held and not frames.closing]
+        oldest: dict[bytes, _Frame[T]] = {}  # per paused connection, its frame queued first
+        held = []
+        for (peer, _), frames in self._frames.items():
+            if not frames.held or frames.closing:
+                continue
+            held.append(frames.last_release)
+            first = frames.held[0]  # held in the order they were queued
+            if peer in self._paused and (peer not in oldest or first.sent_at < oldest[peer].sent_at):
+                oldest[peer] = first
+        looks = [self._release_due(peer, oldest.get(peer), now) for peer in self._paused]
         if held:
             looks.append(max(0.0, min(RELEASE_POLL, min(held) + self.stall - now)))
         return min(looks) if looks else None
 
-    def _release_due(self, peer: bytes, now: float) -> float:
-        """Seconds until paused connection ``peer`` is looked at again (:data:`EARLY_LOOK`, :data:`LATE_LOOKS`): within
-        [:data:`PAUSED_POLL`, :data:`RELEASE_POLL`], :data:`PAUSED_POLL` while its drain rate is unknown."""
+    def _release_due(self, peer: bytes, oldest: _Frame[T] | None, now: float) -> float:
+        """Seconds until paused connection ``peer``, ``oldest`` its frame queued first, is looked at again
+        (:data:`EARLY_LOOK`, :data:`LATE_LOOKS`): within [:data:`PAUSED_POLL`, :data:`RELEASE_POLL`],
+        :data:`PAUSED_POLL` while its drain rate is unknown."""
         rate = self._rates.get(peer)
-        oldest = min(
-            (frame for key, frames in self._frames.items() if key[0] == peer and not frames.closing
-             for frame in frames.held),
-            key=lambda frame: frame.sent_at,
-            default=None,
-        )
         if rate is None or oldest is None:
             return PAUSED_POLL
         drain = (oldest.ahead + oldest.nbytes) / rate  # from its queueing to its release, at that rate
