@@ -530,3 +530,40 @@ def test_a_peer_that_never_sent_anything_is_judged_by_the_other_peers_not_the_so
     assert b.quiet_after(liar) >= 4 * 1.5  # judged by the source: past a 5 s stall bound
     assert b.silent_peer_bound(liar) == QUIET_FIRST  # by the peers: 4 x 0.1 s, at least QUIET_FIRST
     assert b.silent_peer_bound(honest[0]) == b.quiet_after(honest[0])  # one that has sent: its own pace
+
+
+def test_a_pass_over_every_stream_reckons_each_peers_pace_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within one pass (one Takeovers), each other peer's pace is reckoned once, not once per stream that
+    asks (streams x peers: 9% of a member's receiving thread at eleven receivers); the spans handed out
+    are the ones a pass without the shared reckoning hands out."""
+    from zmqtransport.fetch import spans as spans_module
+
+    def build() -> tuple[SpanBook, list[int]]:
+        b = SpanBook(48, 1, 2, 2, source_span=2, peer_depth=1)
+        b.connected(0, True)
+        streams = []
+        for peer in range(1, 7):
+            stream = b.add_stream(peer)
+            b.connected(stream, True)
+            b.holds(peer, bits(*range(peer * 6, peer * 6 + 6)), coming=bits(peer))
+            streams.append(stream)
+        return b, [0, *streams]
+
+    calls = 0
+    reckon = spans_module._peer_pace
+
+    def counted(*args: object, **kwargs: object) -> float | None:
+        nonlocal calls
+        calls += 1
+        return reckon(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(spans_module, "_peer_pace", counted)
+    shared, streams = build()
+    takeovers = shared.takeovers(1.0)
+    handed = [shared.assign(stream, xfer, 1.0, takeovers) for xfer, stream in enumerate(streams, 1)]
+    assert 0 < calls <= 6  # six peers
+    calls = 0
+    alone, _ = build()
+    apart = [alone.assign(stream, xfer, 1.0) for xfer, stream in enumerate(streams, 1)]
+    assert calls > 6  # without a pass, each stream reckons the others again
+    assert [(s.first, s.stop) if s else None for s in handed] == [(s.first, s.stop) if s else None for s in apart]

@@ -272,6 +272,11 @@ class Takeovers:
         # receivers, a tenth of a pass; a third of it skipped this way). The spans gathered are the
         # ones out then, those opened earlier in the pass included.
         self._gathered = False
+        # Each other peer's pace (:func:`_peer_pace`), reckoned once for the pass: every stream with room
+        # weighs every other peer (SpanBook._others), so a pass reckoned them streams x peers times (at
+        # eleven receivers, 9% of a member's receiving thread). Nothing a pass does changes a pace: it only
+        # opens spans at ``now``, and a span opened now makes no stream quiet.
+        self.paces: dict[int, float | None] = {}
 
     def _gather(self) -> None:
         self._gathered = True
@@ -460,7 +465,7 @@ class SpanBook:
             return None
         state = self._streams[stream]
         held = self._holds.of(state.peer)
-        choice = self._choose(stream, self._free & held, now)
+        choice = self._choose(stream, self._free & held, now, takeovers.paces if takeovers is not None else {})
         if choice is not None:
             first, stop = choice
             return self._open(xfer, stream, first, stop, now, takeovers)
@@ -617,16 +622,22 @@ class SpanBook:
 
     # ------------------------------------------------------------------ internals
 
-    def _others(self, stream: int, now: float) -> tuple[int, int]:
+    def _others(self, stream: int, now: float, paces: dict[int, float | None]) -> tuple[int, int]:
         """What the live peers other than ``stream``'s hold or are fetching: all of them, and those not
-        much slower than ``stream`` (bit sets)."""
+        much slower than ``stream`` (bit sets). ``paces``: the peers' paces at ``now`` reckoned so far
+        (filled in here)."""
         peer = self._streams[stream].peer
-        mine, source_time = self.pace(stream), self._source_time()
+        mine, source_time = self.pace(stream), None
         everyone = not_slow = 0
         for other, held in self._holds.held.items():
             if other == peer or held is None:
                 continue
-            pace = _peer_pace(self._streams.of(other), other, now, source_time)
+            if other in paces:
+                pace = paces[other]
+            else:
+                if source_time is None:
+                    source_time = self._source_time()
+                pace = paces[other] = _peer_pace(self._streams.of(other), other, now, source_time)
             if pace is math.inf:
                 continue  # no stream left to it, or every one gone quiet: it serves nobody now
             theirs = held | self._holds.coming.get(other, 0)
@@ -635,7 +646,9 @@ class SpanBook:
                 not_slow |= theirs
         return everyone, not_slow
 
-    def _choose(self, stream: int, candidates: int, now: float) -> tuple[int, int] | None:
+    def _choose(
+        self, stream: int, candidates: int, now: float, paces: dict[int, float | None]
+    ) -> tuple[int, int] | None:
         """The span to ask ``stream`` for among ``candidates``: the rarest first, from this receive's offset on.
 
         Rarest: what no other peer holds or is fetching; then what only peers
@@ -655,7 +668,7 @@ class SpanBook:
                 return None
             start = lowest(pool)
             return start, start + run_length(pool, start, min(size, self.messages - start))
-        everyone, not_slow = self._others(stream, now)
+        everyone, not_slow = self._others(stream, now, paces)
         pool = (candidates & ~everyone) or (candidates & ~not_slow)
         if not pool and state.peer != SOURCE:
             pool = candidates
