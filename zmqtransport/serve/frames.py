@@ -298,7 +298,7 @@ class HeldFrames(Generic[T]):
         (:data:`EARLY_LOOK`, :data:`LATE_LOOKS`): within [:data:`PAUSED_POLL`, :data:`RELEASE_POLL`],
         :data:`PAUSED_POLL` while its drain rate is unknown."""
         rate = self._rates.get(peer)
-        if rate is None or oldest is None:
+        if not rate or oldest is None:  # no drain measured (data frames are never empty: a rate is above 0)
             return PAUSED_POLL
         drain = (oldest.ahead + oldest.nbytes) / rate  # from its queueing to its release, at that rate
         due = oldest.sent_at + EARLY_LOOK * drain - now
