@@ -245,6 +245,9 @@ def _peer_pace(streams: list[_Stream], peer: int, now: float, source_time: float
     return min(measured) if measured else None
 
 
+Paces = dict[int, "float | None"]  # a pass's reckoned paces of the peers, by peer (:attr:`Takeovers.paces`)
+
+
 class Takeovers:
     """The spans another stream might take over (see the module docstring), gathered once for a pass over
     every stream at one ``now`` (:meth:`SpanBook.takeovers`): with 64 peers a receive has a hundred spans
@@ -276,7 +279,7 @@ class Takeovers:
         # weighs every other peer (SpanBook._others), so a pass reckoned them streams x peers times (at
         # eleven receivers, 9% of a member's receiving thread). Nothing a pass does changes a pace: it only
         # opens spans at ``now``, and a span opened now makes no stream quiet.
-        self.paces: dict[int, float | None] = {}
+        self.paces: Paces = {}
 
     def _gather(self) -> None:
         self._gathered = True
@@ -622,22 +625,18 @@ class SpanBook:
 
     # ------------------------------------------------------------------ internals
 
-    def _others(self, stream: int, now: float, paces: dict[int, float | None]) -> tuple[int, int]:
+    def _others(self, stream: int, now: float, paces: Paces) -> tuple[int, int]:
         """What the live peers other than ``stream``'s hold or are fetching: all of them, and those not
         much slower than ``stream`` (bit sets). ``paces``: the peers' paces at ``now`` reckoned so far
         (filled in here)."""
-        peer = self._streams[stream].peer
-        mine, source_time = self.pace(stream), None
+        peer, mine, source_time = self._streams[stream].peer, self.pace(stream), self._source_time()
         everyone = not_slow = 0
         for other, held in self._holds.held.items():
             if other == peer or held is None:
                 continue
-            if other in paces:
-                pace = paces[other]
-            else:
-                if source_time is None:
-                    source_time = self._source_time()
-                pace = paces[other] = _peer_pace(self._streams.of(other), other, now, source_time)
+            if other not in paces:
+                paces[other] = _peer_pace(self._streams.of(other), other, now, source_time)
+            pace = paces[other]
             if pace is math.inf:
                 continue  # no stream left to it, or every one gone quiet: it serves nobody now
             theirs = held | self._holds.coming.get(other, 0)
@@ -646,9 +645,7 @@ class SpanBook:
                 not_slow |= theirs
         return everyone, not_slow
 
-    def _choose(
-        self, stream: int, candidates: int, now: float, paces: dict[int, float | None]
-    ) -> tuple[int, int] | None:
+    def _choose(self, stream: int, candidates: int, now: float, paces: Paces) -> tuple[int, int] | None:
         """The span to ask ``stream`` for among ``candidates``: the rarest first, from this receive's offset on.
 
         Rarest: what no other peer holds or is fetching; then what only peers
