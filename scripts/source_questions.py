@@ -52,10 +52,10 @@ def member_address(k: int) -> str:
     return f"127.0.{1 + k // 50}.{1 + k % 50}"
 
 
-def ask(endpoint: str, members: int, rounds: int, pattern: str, gap: float, told: Any, queue: Any) -> None:
+def ask(endpoint: str, members: int, rounds: int, pattern: str, gap: float, start: Any, queue: Any) -> None:
     """The members' side, in one process: join as members, then ask ``rounds`` rounds of questions.
 
-    ``told`` carries the parent's word to start, ``queue`` this side's reports: one queue for both ways let
+    ``start`` carries the parent's word to start, ``queue`` this side's reports: one queue for both ways let
     the parent read back its own "go" (the child then waited for ever; CI, 2026-12-06)."""
     from zmqtransport import wire
 
@@ -83,7 +83,7 @@ def ask(endpoint: str, members: int, rounds: int, pattern: str, gap: float, told
             tokens.append(reply.relay.token)
             stage = reply.stage
         queue.put("ready")
-        told.get(timeout=TIMEOUT.total_seconds())
+        start.get(timeout=TIMEOUT.total_seconds())
         xfer, started = 1_000_000, time.perf_counter()
         for _ in range(rounds):
             if pattern == "burst":
@@ -129,17 +129,17 @@ def measure(members: int, rounds: int, pattern: str, gap: float) -> tuple[float,
         state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(16)}  # 64 MiB
         transport.send_checkpoint(list(range(1, members + 1)), STEP, state, TIMEOUT)
         spawn = mp.get_context("spawn")
-        told: Any = spawn.Queue()
+        start: Any = spawn.Queue()
         queue: Any = spawn.Queue()
         child = spawn.Process(
-            target=ask, args=(transport.metadata(), members, rounds, pattern, gap, told, queue), daemon=True
+            target=ask, args=(transport.metadata(), members, rounds, pattern, gap, start, queue), daemon=True
         )
         child.start()
         try:
             if report(queue, child) != "ready":
                 raise SystemExit("the members did not join")
             cpu = time.process_time()
-            told.put("go")
+            start.put("go")
             wall = report(queue, child)
             cpu = time.process_time() - cpu
             child.join(TIMEOUT.total_seconds())
